@@ -1,0 +1,35 @@
+# Two commands on a fresh machine with only Python 3.10+:
+#   make lab    set everything up (a virtual environment in .venv) and open the course in JupyterLab
+#   make test   set everything up and run every test and every notebook
+# On a Linux machine without an NVIDIA GPU, PyPI's default torch is a multi-GB CUDA build: ask for the
+# CPU build instead, e.g.  make lab TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"  (README).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch>=2.4
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.course-installed
+
+.PHONY: setup lab test doctor clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/python -m jupyter lab notebooks/00_welcome.ipynb
+
+test: setup
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -q $(PYTEST_ARGS)
+
+doctor: setup
+	$(BIN)/python -m course_lib doctor
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,177 @@
+"""What this machine has, and where each rank should run.
+
+Every notebook asks the same three questions, and this module answers them in one place:
+
+* **What is here?**  CPU cores, GPUs (count, names, memory) and the communication backends
+  torch was built with (``gloo`` everywhere, ``nccl`` on NVIDIA GPUs, ``mpi`` rarely).
+* **Which backend?**  NCCL talks GPU-to-GPU and is the right choice when *every rank has a GPU of
+  its own*.  It refuses two ranks on one GPU ("Duplicate GPU detected"), so when there are more ranks
+  than GPUs, or no GPU at all, we use Gloo, which runs any number of ranks on CPU tensors (and on
+  CUDA tensors too, for the collectives it supports).
+* **Which device?**  A rank's device is chosen by its *local* rank (its index on this machine), never
+  by its global rank: on the second node of a two-node job global rank 8 is still ``cuda:0``.
+
+Model-parallel notebooks ask for ``cuda:0`` and ``cuda:1``; :func:`map_device` maps such requests onto
+the devices that exist (``cuda:1`` becomes ``cuda:0`` on a one-GPU machine and ``cpu`` on a laptop)
+and says so, so the same code runs everywhere and the learner knows what really happened.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One visible GPU."""
+
+    index: int
+    name: str
+    memory_gib: float
+    capability: str
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index} {self.name} ({self.memory_gib:.0f} GiB, sm_{self.capability})"
+
+
+def cpu_count() -> int:
+    """CPU cores this process may use (respects taskset/cgroup affinity, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA GPUs (0 on a machine without them). Does not initialise CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus() -> list[GpuInfo]:
+    """Name, memory and compute capability of each visible GPU."""
+    out = []
+    for i in range(gpu_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(GpuInfo(i, p.name, p.total_memory / 2**30, f"{p.major}{p.minor}"))
+    return out
+
+
+def backends() -> dict[str, bool]:
+    """Which communication backends this build of torch has: ``{'gloo': True, 'nccl': ..., 'mpi': ...}``."""
+    if not dist.is_available():
+        return {b: False for b in BACKENDS}
+    return {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    """Python, torch, CUDA and NCCL versions (``None`` where absent)."""
+    nccl = None
+    if backends()["nccl"] and torch.cuda.is_available():
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+    }
+
+
+def default_backend(world_size: int = 1) -> str:
+    """``'nccl'`` when each of ``world_size`` ranks can have its own GPU, otherwise ``'gloo'``."""
+    if backends()["nccl"] and gpu_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def check_backend(backend: str | None, world_size: int) -> str:
+    """Resolve ``backend`` (``None`` means :func:`default_backend`) and refuse what cannot work.
+
+    Raises ``ValueError`` at once, with what to do, instead of letting a run fail later inside NCCL.
+    """
+    if backend is None:
+        return default_backend(world_size)
+    backend = str(backend).lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} (or None to pick one)")
+    if backend == "nccl" and gpu_count() == 0:
+        raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none: "
+                         "use backend='gloo' (or None) to run the ranks on the CPU.")
+    if not backends()[backend]:
+        have = [b for b, ok in backends().items() if ok]
+        raise ValueError(f"this build of torch has no {backend!r} backend; it has {have}. Use backend='gloo'.")
+    if backend == "nccl":
+        n = gpu_count()
+        if world_size > n:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: {world_size} ranks were asked for and this machine "
+                f"has {n} GPU{'s' if n != 1 else ''}. NCCL refuses two ranks on one GPU: use backend='gloo' to "
+                f"run several ranks on one GPU, or world_size<={n}.")
+    return backend
+
+
+def device_for_rank(local_rank: int, backend: str | None = None) -> torch.device:
+    """The device a rank should compute on, chosen by its **local** rank.
+
+    NCCL: ``cuda:local_rank`` (one GPU each).  Gloo: GPUs are shared round-robin when there are any
+    (Gloo moves CUDA tensors through host memory), else the CPU.
+    """
+    n = gpu_count()
+    if backend == "nccl":
+        if local_rank >= n:
+            raise ValueError(f"local rank {local_rank} has no GPU of its own ({n} visible): use backend='gloo'")
+        return torch.device("cuda", local_rank)
+    if n:
+        return torch.device("cuda", local_rank % n)
+    return torch.device("cpu")
+
+
+def map_device(requested: str | torch.device, verbose: bool = True) -> torch.device:
+    """Map a requested device onto one that exists here, printing the mapping when it changes.
+
+    ``cuda:1`` on a one-GPU machine becomes ``cuda:0``; any CUDA device becomes ``cpu`` without GPUs.
+    A string PyTorch does not know as a device raises ``ValueError`` saying what is accepted.
+    """
+    try:
+        dev = torch.device(requested)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{requested!r} is not a device: use 'cpu', 'cuda' or 'cuda:N' (N = 0, 1, ...)") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"{requested!r}: this course maps only 'cpu' and 'cuda:N' devices")
+    n = gpu_count()
+    index = 0 if dev.index is None else dev.index
+    if n == 0:
+        mapped, why = torch.device("cpu"), "no GPU on this machine"
+    elif index >= n:
+        mapped, why = torch.device("cuda", index % n), f"only {n} GPU{'s' if n != 1 else ''} here"
+    else:
+        return torch.device("cuda", index)
+    if verbose:
+        print(f"device {dev} -> {mapped} ({why})")
+    return mapped
+
+
+def summary() -> str:
+    """A few lines that say what this machine is: print it at the top of every notebook."""
+    v = versions()
+    gpu_list = gpus()
+    lines = [
+        f"python {v['python']}, torch {v['torch']}, {platform.system()} {platform.machine()}, "
+        f"{cpu_count()} CPU core{'s' if cpu_count() != 1 else ''}",
+        "GPUs: " + ("; ".join(map(str, gpu_list)) if gpu_list else "none (ranks run on the CPU with Gloo)"),
+        "backends: " + ", ".join(f"{b}{'' if ok else ' (absent)'}" for b, ok in backends().items())
+        + (f"; CUDA {v['cuda']}, NCCL {v['nccl']}" if gpu_list else ""),
+    ]
+    return "\n".join(lines)

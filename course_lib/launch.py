@@ -1,0 +1,350 @@
+"""Run a function on N ranks from a notebook cell: ``run(fn, world_size, *args)``.
+
+``run`` starts ``world_size`` fresh processes; in each one the default process group is initialised
+(Gloo on CPU, NCCL when every rank has a GPU of its own), ``fn(rank, world_size, *args)`` is called,
+and its return value comes back to the notebook.  The list of return values is in rank order::
+
+    def hello(rank, world_size):
+        print("hello from", rank)
+        return rank * 10
+
+    run(hello, 4)          # prints "[rank 0] hello from 0" ... "[rank 3] hello from 3"
+    # -> [0, 10, 20, 30]
+
+How it works, and why:
+
+* ``fn`` is serialised **by value** with cloudpickle, so functions, lambdas and closures defined in a
+  notebook reach the ranks (``torch.multiprocessing.spawn`` pickles them by name and fails on
+  ``__main__``).
+* The processes come from a **forkserver** that imported torch once: a run after the first costs a
+  fraction of a second instead of a fresh ``import torch`` per rank.  The server never touches CUDA, so
+  the ranks can use GPUs (a plain ``fork`` of a kernel that used CUDA cannot).  Where the platform has no
+  forkserver, ``spawn`` is used.
+* Every rank's output (Python's and C++'s) is captured and printed here, prefixed and **in rank
+  order**, once the run ends: the same in JupyterLab and under nbval.
+* Failures are errors, never hangs: a rank that raises, dies or runs past ``timeout`` stops the run,
+  the other ranks are killed, and no process is left behind.
+"""
+from __future__ import annotations
+
+import linecache
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing import spawn as mp_spawn
+from multiprocessing.connection import wait
+
+import cloudpickle
+
+from . import hardware
+
+DEFAULT_TIMEOUT = 120.0
+HOST = "127.0.0.1"
+_BOOT = ("import sys\nsys.path[:0] = [p for p in SYS_PATH if p not in sys.path]\n"
+         "from course_lib._rank import main\nmain(SPEC, CONN, LIFELINE)\n")
+
+
+class LaunchError(RuntimeError):
+    """A run on N ranks failed. ``outputs`` holds each rank's captured output."""
+
+    def __init__(self, message: str, outputs: list[str] | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
+class RankError(LaunchError):
+    """A rank raised an exception: ``rank``, ``exc_type`` (its class name), ``exc_message``, ``remote_traceback``."""
+
+    def __init__(self, rank, world_size, exc_type, exc_message, remote_traceback, outputs=None):
+        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
+        self.remote_traceback = remote_traceback
+        hint = ""
+        if any(s in exc_message for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
+            hint = ("\nHint: another rank exited or crashed while this one waited for it in a collective or a "
+                    "send/recv. Every rank must call the same collectives, in the same order.")
+        super().__init__(f"rank {rank} of {world_size} raised {exc_type}: {exc_message}{hint}\n\n"
+                         f"Traceback from rank {rank}:\n{remote_traceback}", outputs)
+
+
+class RankDiedError(LaunchError):
+    """A rank's process ended without returning (killed, ``os._exit``, a crash): ``rank``, ``exitcode``."""
+
+    def __init__(self, rank, world_size, exitcode, outputs=None):
+        self.rank, self.exitcode = rank, exitcode
+        how = f"exit code {exitcode}"
+        if exitcode is not None and exitcode < 0:
+            how = f"signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        super().__init__(f"rank {rank} of {world_size} died with {how} before returning a result; "
+                         "the other ranks were stopped", outputs)
+
+
+class RunTimeoutError(LaunchError, TimeoutError):
+    """The run took longer than ``timeout``; ``pending`` lists the ranks that had not finished."""
+
+    def __init__(self, timeout, pending, world_size, outputs=None):
+        self.pending = pending
+        super().__init__(
+            f"ranks {pending} of {world_size} had not finished after {timeout:g} s and were stopped. A common cause "
+            "is a collective that only some ranks call: the others wait for it forever. Each rank's stack at "
+            "the moment it was stopped is printed above.", outputs)
+
+
+_fast_context = None
+
+
+def _context():
+    """The multiprocessing context: a forkserver with torch preloaded where available, else spawn."""
+    global _fast_context
+    if _fast_context is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _fast_context = mp.get_context("forkserver")
+            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle"])
+        else:
+            _fast_context = mp.get_context("spawn")
+    return _fast_context
+
+
+_start_lock = threading.Lock()
+
+
+@contextmanager
+def _without_main_module():
+    """Start processes without re-running the caller's script in them.
+
+    multiprocessing normally re-imports ``__main__`` in every child (hence the ``if __name__ ==
+    "__main__"`` rule); ``fn`` travels by value here, so the ranks need nothing from the script.
+    """
+    original = mp_spawn.get_preparation_data
+
+    def preparation_data(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _start_lock:
+        mp_spawn.get_preparation_data = preparation_data
+        try:
+            yield
+        finally:
+            mp_spawn.get_preparation_data = original
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port nobody listens on right now (the OS picks it: no hard-coded MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _code_files(fn) -> dict[str, str]:
+    """Function name -> source file, for the code cloudpickle sends by value.
+
+    cloudpickle renames the file of such code ``<dynamic-code>``; this index lets a rank's traceback
+    point back at the notebook cell (whose lines this kernel keeps in ``linecache``)."""
+    files, todo, seen = {}, [fn], set()
+    while todo:
+        obj = todo.pop()
+        code = getattr(obj, "__code__", obj)
+        if not hasattr(code, "co_filename") or id(code) in seen:
+            continue
+        seen.add(id(code))
+        files.setdefault(code.co_name, code.co_filename)
+        todo.extend(c for c in code.co_consts if hasattr(c, "co_filename"))
+        if hasattr(obj, "__globals__"):  # helpers the function calls, defined beside it
+            todo.extend(obj.__globals__.get(n) for n in code.co_names
+                        if getattr(obj.__globals__.get(n), "__module__", None) == obj.__module__)
+    return files
+
+
+def _remote_traceback(frames, text: str, fn=None) -> str:
+    """Re-render a rank's traceback from the user's function down, with source lines from this kernel."""
+    if not frames:
+        return text
+    files = _code_files(fn) if fn is not None else {}
+    while len(frames) > 1 and frames[0][0].endswith(os.path.join("course_lib", "_rank.py")):
+        frames = frames[1:]  # the launcher's own frame tells the reader nothing
+    lines = ["Traceback (most recent call last):"]
+    for filename, lineno, name, line in frames:
+        if filename == "<dynamic-code>":
+            filename = files.get(name, filename)
+        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        line = line or linecache.getline(filename, lineno).strip()
+        if line:
+            lines.append(f"    {line}")
+    lines.append(text.rstrip().splitlines()[-1] if text.strip() else "")
+    return "\n".join(lines)
+
+
+def _kill(proc) -> None:
+    if proc.pid is None:
+        return
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+            return
+        except (ProcessLookupError, PermissionError, AttributeError, OSError):
+            continue
+
+
+def _validate(fn, world_size, timeout) -> None:
+    if not callable(fn):
+        raise TypeError(f"run() needs a function fn(rank, world_size, *args) to call on each rank, got {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int (the number of ranks), got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1 (the number of ranks to start), got {world_size}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def run(fn, world_size: int, *args, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+        threads: int | None = None, env: dict | None = None, init: bool = True,
+        show_output: bool = True) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return their results in rank order.
+
+    backend: ``'gloo'``, ``'nccl'`` or ``None`` (NCCL when every rank has its own GPU, else Gloo).
+    timeout: seconds for the whole run; past it every rank is stopped and :class:`RunTimeoutError`
+        says which ranks were still busy.  It is also the process group's collective timeout.
+    threads: torch threads per rank; by default the CPU cores are shared evenly between the ranks.
+    env: extra environment variables for the ranks (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
+    init: ``False`` skips ``init_process_group`` (the ranks get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
+        ``WORLD_SIZE`` and may call ``dist.init_process_group(init_method="env://")`` themselves).
+    show_output: print each rank's output here, prefixed ``[rank r]``, in rank order.
+    """
+    _validate(fn, world_size, timeout)
+    backend = hardware.check_backend(backend, world_size)
+    try:
+        payload = cloudpickle.dumps((fn, args))
+    except Exception as e:
+        raise TypeError(f"fn or its arguments cannot be sent to the ranks ({type(e).__name__}: {e}). "
+                        "Pass plain data (tensors, numbers, lists); open files, locks and sockets inside fn.") from e
+    ctx = _context()
+    store = None
+    if init:  # the rendezvous store lives here; the OS picks its port, so parallel runs never collide
+        import torch.distributed as dist
+        store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        port = store.port
+    else:
+        port = free_port()
+    threads = threads or max(1, hardware.cpu_count() // world_size)
+    base_env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()},
+                "MASTER_ADDR": HOST, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)}
+    tmpdir = tempfile.mkdtemp(prefix="course_run_")
+    procs, conns, lifelines = [], [], []
+    outputs: list[str] = []
+    failure, finished = None, False
+    try:
+        for rank in range(world_size):
+            spec = {"rank": rank, "world_size": world_size, "backend": backend, "host": HOST, "port": port,
+                    "timeout": timeout, "threads": threads, "init": init, "payload": payload,
+                    "cwd": os.getcwd(), "out_path": os.path.join(tmpdir, f"rank{rank}.out"),
+                    "env": {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}}
+            result_r, result_w = ctx.Pipe(duplex=False)
+            life_r, life_w = ctx.Pipe(duplex=False)
+            child_globals = {"SYS_PATH": list(sys.path), "SPEC": cloudpickle.dumps(spec),
+                             "CONN": result_w, "LIFELINE": life_r}
+            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"rank{rank}", daemon=True)
+            with _without_main_module():
+                proc.start()
+            result_w.close()
+            life_r.close()
+            procs.append(proc)
+            conns.append(result_r)
+            lifelines.append(life_w)
+        results, failure = _collect(procs, conns, world_size, timeout, fn)
+        finished = failure is None
+    finally:
+        for proc in procs:
+            if finished and proc.is_alive():
+                proc.join(timeout=5)  # the rank returned and is tearing down its process group
+            if proc.is_alive():
+                _kill(proc)
+        for proc in procs:
+            proc.join(timeout=5)
+        for c in conns + lifelines:
+            c.close()
+        outputs = [_read(os.path.join(tmpdir, f"rank{r}.out")) for r in range(world_size)]
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        del store
+        if show_output:
+            print_outputs(outputs)
+    if failure is not None:
+        failure.outputs = outputs
+        raise failure
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, conns, world_size, timeout, fn):
+    """Wait for every rank's message; stop at the first failure or at the deadline."""
+    deadline = time.monotonic() + timeout
+    results, pending = {}, set(range(world_size))
+    failure = None
+    while pending and failure is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _dump_stacks([procs[r] for r in sorted(pending)])
+            return results, RunTimeoutError(timeout, sorted(pending), world_size)
+        waitables = {conns[r]: r for r in pending}
+        waitables.update({procs[r].sentinel: r for r in pending})
+        ready = wait(list(waitables), timeout=remaining)
+        for rank in sorted({waitables[obj] for obj in ready}):
+            if rank not in pending:
+                continue
+            message = None
+            if conns[rank].poll():
+                try:
+                    message = cloudpickle.loads(conns[rank].recv_bytes())
+                except EOFError:
+                    message = None
+            if message is None:
+                if procs[rank].is_alive():
+                    procs[rank].join(timeout=1)
+                failure = RankDiedError(rank, world_size, procs[rank].exitcode)
+                break
+            if message[0] == "ok":
+                results[rank] = message[1]
+                pending.discard(rank)
+            else:
+                _, exc_type, exc_message, frames, text = message
+                failure = RankError(rank, world_size, exc_type, exc_message, _remote_traceback(frames, text, fn))
+                break
+    return results, failure
+
+
+def _dump_stacks(procs, settle: float = 0.5) -> None:
+    """Ask each rank for its Python stack (faulthandler, on SIGUSR1) before it is killed."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for proc in procs:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except (ProcessLookupError, TypeError):
+            pass
+    time.sleep(settle)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="backslashreplace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def print_outputs(outputs: list[str]) -> None:
+    """Print each rank's captured output, every line prefixed with ``[rank r]``, rank 0 first."""
+    for rank, text in enumerate(outputs):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}")
+    sys.stdout.flush()

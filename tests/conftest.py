@@ -1,0 +1,65 @@
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from course_lib import launch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def warm():
+    """Start the launcher's forkserver once, so process counts below are not disturbed by it."""
+    launch.run(lambda r, w: None, 1, show_output=False)
+
+
+def descendants() -> set[int]:
+    """Live processes below this one, the launcher's long-lived forkserver excepted."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids, within: float = 10.0) -> set[int]:
+    """The pids still alive after up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def no_leftovers(warm):
+    """Assert that a test leaves no process behind: the process count returns to where it was."""
+    before = descendants()
+    yield
+    assert wait_gone(descendants() - before) == set(), "processes were left behind"
+
+
+@pytest.fixture
+def pid_file(tmp_path):
+    return os.fspath(tmp_path / "pids")
