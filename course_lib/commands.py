@@ -1,0 +1,124 @@
+"""Run a command, or a script under ``torchrun``, from a notebook cell — and fail the cell when it fails.
+
+``!torchrun train.py`` in a notebook never fails the cell: a crashed job, or a missing ``torchrun``,
+passes silently (and under nbval, a test passes).  These helpers stream the command's output into the
+cell as it comes, stop it (and everything it started) at ``timeout``, and raise
+:class:`CommandError`, with the last lines of output, when it exits non-zero.
+
+``torchrun`` is called as ``python -m torch.distributed.run`` with this kernel's Python, so it is the
+torchrun of the torch the notebook uses, whatever ``PATH`` says.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+class CommandError(RuntimeError):
+    """A command failed or timed out: ``returncode`` (``None`` on timeout) and ``output``."""
+
+    def __init__(self, message: str, returncode: int | None, output: str):
+        super().__init__(message)
+        self.returncode, self.output = returncode, output
+
+
+@dataclass
+class Completed:
+    """A command that succeeded: its argument list, exit code (0) and whole output."""
+
+    args: list[str]
+    returncode: int
+    output: str
+
+
+def run_command(args: list[str], timeout: float = 300, env: dict | None = None, cwd: str | None = None,
+                echo: bool = True, tail: int = 40) -> Completed:
+    """Run ``args``, print its output (stdout and stderr merged) as it arrives, raise if it fails.
+
+    The command runs in a session of its own, so on timeout (or Ctrl-C / the notebook's stop button)
+    it is stopped together with every process it started.
+    """
+    args = [str(a) for a in args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (env or {}).items()}}
+    try:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="backslashreplace", env=full_env, cwd=cwd, start_new_session=True)
+    except FileNotFoundError as e:
+        raise CommandError(f"{args[0]!r} was not found: is it installed in this environment?", None, "") from e
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                              daemon=True)
+    reader.start()
+    output, last = [], deque(maxlen=tail)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    _stop(proc)
+                    text = "".join(output)
+                    raise CommandError(f"{' '.join(args)} did not finish within {timeout:g} s and was stopped. "
+                                       f"Last output:\n{''.join(last)}", None, text) from None
+                continue
+            if line is None:
+                break
+            output.append(line)
+            last.append(line)
+            if echo:
+                print(line, end="", flush=True)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    text = "".join(output)
+    if proc.returncode != 0:
+        raise CommandError(f"{' '.join(args)} failed with exit code {proc.returncode}. Last output:\n"
+                           f"{''.join(last)}", proc.returncode, text)
+    return Completed(args, proc.returncode, text)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM the command's whole session, then SIGKILL what is left after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=grace)
+            if sig == signal.SIGTERM:
+                # torchrun's workers may outlive the agent for a moment: make sure the group is gone
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = False,
+             torchrun_args: tuple[str, ...] = (), standalone: bool = True, timeout: float = 300,
+             env: dict | None = None, cwd: str | None = None, echo: bool = True) -> Completed:
+    """Launch ``target`` (a script path, or a module with ``module=True``) under torchrun.
+
+    With ``standalone=True`` torchrun hosts its own rendezvous on a free port of this machine
+    (``--standalone``); pass ``standalone=False`` and ``torchrun_args=("--nnodes=2", ...)`` for the
+    multi-node form.  Every worker's output is prefixed by torchrun with ``[default<rank>]:``.
+    """
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    args = [sys.executable, "-m", "torch.distributed.run"]
+    if standalone:
+        args.append("--standalone")
+    args += [f"--nproc-per-node={nproc_per_node}", "--tee=3", *torchrun_args]
+    args += (["-m", target] if module else [target]) + [str(a) for a in script_args]
+    return run_command(args, timeout=timeout, env=env, cwd=cwd, echo=echo)

@@ -1,0 +1,146 @@
+"""The preflight: ``python -m course_lib doctor``.
+
+An instructor runs it on a workshop VM before class (a learner runs it in notebook 00).  It reports the
+versions, the GPUs, the shared memory, a real 2-rank Gloo run, and which notebooks run fully, partly or
+not at all here.  It exits non-zero, with the fix, when something a notebook needs is missing.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+from . import course, hardware
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
+SHM_FAIL_MIB = 256   # Docker's default is 64 MiB: DataLoader workers and NCCL run out of it
+SHM_WARN_MIB = 1024
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _packages() -> list[Check]:
+    needed = {"torch": "the course", "cloudpickle": "course_lib.launch", "matplotlib": "the pictures",
+              "ipywidgets": "the explorers", "numpy": "the measurements"}
+    optional = {"jupyterlab": "opening the notebooks", "nbval": "testing the notebooks"}
+    out = []
+    for name, why in {**needed, **optional}.items():
+        try:
+            mod = importlib.import_module(name)
+            out.append(Check(name, OK, getattr(mod, "__version__", "installed")))
+        except ImportError:
+            fatal = name in needed
+            out.append(Check(name, FAIL if fatal else WARN, f"missing (needed for {why})",
+                             "pip install -e '.[test]'   (or: make setup)"))
+    return out
+
+
+def shm_mib(path: str = "/dev/shm") -> float | None:
+    """Size of the shared-memory filesystem in MiB (``None`` where there is none, e.g. macOS)."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_frsize * st.f_blocks / 2**20
+
+
+def _shm(size_mib: float | None) -> Check:
+    if size_mib is None:
+        return Check("/dev/shm", INFO, "not present on this system (fine outside Linux)")
+    fix = "in Docker: docker run --shm-size=2g ... (or --ipc=host); on Kubernetes: mount an emptyDir with medium: Memory"
+    if size_mib < SHM_FAIL_MIB:
+        return Check("/dev/shm", FAIL, f"{size_mib:.0f} MiB: too small for multi-process training", fix)
+    if size_mib < SHM_WARN_MIB:
+        return Check("/dev/shm", WARN, f"{size_mib:.0f} MiB: large data loaders may run out", fix)
+    return Check("/dev/shm", OK, f"{size_mib / 1024:.1f} GiB")
+
+
+def _gloo_smoke() -> Check:
+    from .launch import run
+
+    def smoke(rank, world_size):
+        import torch
+        import torch.distributed as dist
+        t = torch.full((1024,), float(rank + 1))
+        dist.all_reduce(t)
+        return t[0].item()
+    try:
+        out = run(smoke, 2, backend="gloo", timeout=120, show_output=False)
+    except Exception as e:  # report it: the preflight must finish
+        return Check("gloo 2-rank all_reduce", FAIL, f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                     "check that 127.0.0.1 is reachable (loopback) and that no firewall blocks local ports")
+    if out != [3.0, 3.0]:
+        return Check("gloo 2-rank all_reduce", FAIL, f"wrong result {out}, expected [3.0, 3.0]")
+    return Check("gloo 2-rank all_reduce", OK, "2 ranks agreed on 1 + 2 = 3")
+
+
+def checks(smoke: bool = True) -> list[Check]:
+    """Every check, in the order they are printed."""
+    v = hardware.versions()
+    out = [Check("python", OK if sys.version_info >= (3, 10) else FAIL, v["python"], "use Python 3.10 or newer")]
+    out += _packages()
+    b = hardware.backends()
+    out.append(Check("torch.distributed gloo", OK if b["gloo"] else FAIL,
+                     "available" if b["gloo"] else "missing", "install an official torch build (pip install torch)"))
+    gpu_list = hardware.gpus()
+    if gpu_list:
+        out.append(Check("GPUs", OK, f"{len(gpu_list)}: " + "; ".join(map(str, gpu_list))))
+        out.append(Check("CUDA / NCCL", OK if b["nccl"] else WARN, f"CUDA {v['cuda']}, NCCL {v['nccl']}",
+                         "" if b["nccl"] else "this torch has no NCCL: GPU ranks will use Gloo"))
+    else:
+        out.append(Check("GPUs", INFO, "none: every notebook runs on the CPU, GPU cells fall back and say so"))
+    out.append(Check("CPU cores", OK if hardware.cpu_count() >= 2 else WARN, str(hardware.cpu_count()),
+                     "2+ cores make the multi-rank timings meaningful"))
+    out.append(_shm(shm_mib()))
+    if smoke and b["gloo"]:
+        out.append(_gloo_smoke())
+    return out
+
+
+def notebook_table(gpu_count: int | None = None, failed: bool = False) -> list[tuple[str, str]]:
+    """(notebook, 'full' / 'partial' / 'no' [+ why]) for this machine."""
+    n = hardware.gpu_count() if gpu_count is None else gpu_count
+    rows = []
+    for nb in course.NOTEBOOKS:
+        if not nb.available:
+            rows.append((nb.file, "not written yet"))
+        elif failed:
+            rows.append((nb.file, "no (fix the FAIL lines above first)"))
+        else:
+            s = course.support(nb, n)
+            why = "" if s == "full" else f" (all cells need {nb.gpus_for_all} GPUs; the rest runs on CPU)"
+            rows.append((nb.file, s + why))
+    return rows
+
+
+def report(smoke: bool = True) -> tuple[str, bool]:
+    """The preflight's text, and whether everything a notebook needs is present."""
+    results = checks(smoke)
+    ok = all(c.status != FAIL for c in results)
+    lines = ["course preflight", "================"]
+    for c in results:
+        lines.append(f"[{c.status:>4}] {c.name}: {c.detail}")
+        if c.fix and c.status in (WARN, FAIL):
+            lines.append(f"       fix: {c.fix}")
+    lines += ["", "notebooks on this machine:"]
+    lines += [f"  {name:34} {status}" for name, status in notebook_table(failed=not ok)]
+    lines.append("")
+    lines.append("ready: every notebook can run here" if ok else "NOT READY: fix the FAIL lines above")
+    return "\n".join(lines), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m course_lib doctor", description=__doc__.splitlines()[0])
+    p.add_argument("--no-smoke", action="store_true", help="skip the 2-rank Gloo run")
+    args = p.parse_args(argv)
+    text, ok = report(smoke=not args.no_smoke)
+    print(text)
+    return 0 if ok else 1

@@ -1,0 +1,46 @@
+"""Interactive explorers.  The logic lives in tested functions; a widget only wires controls to them.
+
+Each explorer keeps what it drew last in ``.state``, so a notebook can drive it in code (set a
+control's value, then assert on ``.state``) and no later cell depends on a human moving a slider.
+"""
+from __future__ import annotations
+
+import ipywidgets as W
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+from . import collectives, viz
+
+
+def collective_state(name: str, world_size: int) -> dict:
+    """What the explorer shows for ``name`` on ``world_size`` ranks: the reference before and after."""
+    if not 1 <= world_size <= 16:
+        raise ValueError(f"world_size must be between 1 and 16, got {world_size}")
+    before = [collectives.initial(name, r, world_size) for r in range(world_size)]
+    return {"name": name, "world_size": world_size, "before": before, "after": collectives.expected(name, before)}
+
+
+class CollectiveExplorer:
+    """Pick a collective and a world size; see every rank's data before and after it."""
+
+    def __init__(self, name: str = "all_reduce", world_size: int = 4, max_world_size: int = 8):
+        moving = [c for c in collectives.COLLECTIVES if c != "barrier"]  # barrier moves no data
+        self.name = W.Dropdown(options=moving, value=name, description="collective")
+        self.world_size = W.IntSlider(value=world_size, min=1, max=max_world_size, description="ranks")
+        self.out = W.Output()
+        self.state: dict = {}
+        self.widget = W.VBox([W.HBox([self.name, self.world_size]), self.out])
+        self.name.observe(self._redraw, names="value")
+        self.world_size.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _redraw(self, *_):
+        self.state = collective_state(self.name.value, self.world_size.value)
+        with self.out:
+            self.out.clear_output(wait=True)
+            fig = viz.draw_collective(self.name.value, self.state["before"], self.state["after"])
+            display(fig)
+            plt.close(fig)
+
+    def _ipython_display_(self):
+        display(self.widget)
