@@ -77,7 +77,7 @@ def draw_barrier(times: list[tuple[float, float]]):
     ax.axvline(max(a for a, _ in times), color="k", lw=1, ls="--", label="last rank arrives")
     ax.set_yticks(range(len(times)), [f"rank {r}" for r in reversed(range(len(times)))])
     ax.set_xlabel("seconds")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.set_title("barrier: nobody leaves before the last rank arrives")
     fig.tight_layout()
     return fig

@@ -1,0 +1,74 @@
+"""The reference meaning of every collective equals what torch.distributed does, on 1 to 8 ranks."""
+import pytest
+
+from course_lib import collectives, viz
+from course_lib.launch import run
+from course_lib.widgets import CollectiveExplorer, collective_state
+
+
+def run_all(rank, world_size):
+    """Every collective demo in one process group (one launch per world size keeps the suite fast)."""
+    return {name: demo(rank, world_size) for name, demo in collectives.DEMOS.items()}
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_every_collective_matches_its_reference(world_size):
+    per_rank = run(run_all, world_size, show_output=False)
+    for name in collectives.DEMOS:
+        results = [r[name] for r in per_rank]
+        collectives.compare(name, results)  # raises on any disagreement
+
+
+def test_compare_names_the_rank_that_disagrees():
+    good = [([1.0], [1.0, 11.0]), ([11.0], [1.0, 11.0])]
+    collectives.compare("all_gather", good)
+    bad = [([1.0], [1.0, 11.0]), ([11.0], [11.0, 1.0])]
+    with pytest.raises(AssertionError, match="rank 1 holds"):
+        collectives.compare("all_gather", bad)
+
+
+def test_reference_semantics_by_hand():
+    before = [[1.0, 2.0], [11.0, 12.0]]
+    assert collectives.expected("all_reduce", before) == [[12.0, 14.0], [12.0, 14.0]]
+    assert collectives.expected("reduce", before) == [[12.0, 14.0], None]
+    assert collectives.expected("reduce_scatter", before) == [[12.0], [14.0]]
+    assert collectives.expected("all_to_all", before) == [[1.0, 11.0], [2.0, 12.0]]
+    assert collectives.expected("broadcast", before) == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def test_barrier_releases_nobody_before_the_last_arrival():
+    times = run(collectives.barrier_demo, 3, show_output=False)
+    last = max(a for a, _ in times)
+    assert last >= 0.25 and all(leave >= last - 0.01 for _, leave in times)
+
+
+def test_unknown_collective_is_a_clear_error():
+    with pytest.raises(ValueError, match="choose one of"):
+        collectives.initial("allreduce", 0, 2)
+    with pytest.raises(ValueError, match="choose one of"):
+        collectives.expected("allreduce", [[1.0]])
+
+
+@pytest.mark.parametrize("name", [n for n in collectives.COLLECTIVES if n != "barrier"])
+def test_picture_shows_the_reference_values(name):
+    state = collective_state(name, 3)
+    fig = viz.draw_collective(name, state["before"], state["after"])
+    drawn = viz.collective_texts(fig)
+    for rank, row in enumerate(state["after"]):
+        assert drawn[rank] == (["no result"] if row is None else [f"{v:g}" for v in row])
+
+
+def test_owner_colours_moved_data_and_greys_sums():
+    before = [[1.0, 2.0], [11.0, 12.0]]
+    assert viz.owner(11.0, before) == 1 and viz.owner(12.0 + 2.0, before) is None
+
+
+def test_explorer_redraws_when_driven_in_code():
+    ex = CollectiveExplorer("broadcast", world_size=2)
+    assert ex.state["after"] == [[1.0, 2.0, 3.0]] * 2
+    ex.world_size.value = 5
+    ex.name.value = "reduce_scatter"
+    assert ex.state == collective_state("reduce_scatter", 5)
+    assert ex.state["after"] == [[sum(10.0 * r + i + 1 for r in range(5))] for i in range(5)]
+    with pytest.raises(ValueError, match="between 1 and 16"):
+        collective_state("broadcast", 0)

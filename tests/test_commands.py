@@ -1,0 +1,61 @@
+"""run_command and torchrun: output shown, failures raised, timeouts stop the whole process tree."""
+import sys
+import textwrap
+import time
+
+import pytest
+
+from course_lib.commands import CommandError, run_command, torchrun
+from conftest import descendants, wait_gone
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} sum {t.item():g}", flush=True)
+    if len(sys.argv) > 1 and dist.get_rank() == 1:
+        sys.exit(int(sys.argv[1]))
+    dist.destroy_process_group()
+""")
+
+
+def test_run_command_streams_and_returns(capsys):
+    done = run_command([sys.executable, "-c", "print('one'); print('two')"])
+    assert done.returncode == 0 and done.output == "one\ntwo\n"
+    assert capsys.readouterr().out == "one\ntwo\n"
+
+
+def test_run_command_raises_with_the_tail_of_the_output():
+    with pytest.raises(CommandError) as info:
+        run_command([sys.executable, "-c", "import sys; print('about to fail'); sys.exit(3)"], echo=False)
+    assert info.value.returncode == 3 and "exit code 3" in str(info.value) and "about to fail" in str(info.value)
+    with pytest.raises(CommandError, match="was not found"):
+        run_command(["no-such-command-anywhere"])
+
+
+def test_run_command_timeout_stops_the_process_tree():
+    before = descendants()
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    start = time.monotonic()
+    with pytest.raises(CommandError, match="did not finish within 2 s"):
+        run_command([sys.executable, "-c", code], timeout=2, echo=False)
+    assert time.monotonic() - start < 10
+    assert wait_gone(descendants() - before) == set()
+
+
+def test_torchrun_runs_every_rank_and_raises_on_failure(tmp_path, capsys):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    done = torchrun(str(script), nproc_per_node=2, timeout=120)
+    out = capsys.readouterr().out
+    assert "[default0]:rank 0 sum 3" in out and "[default1]:rank 1 sum 3" in out
+    assert done.returncode == 0
+    with pytest.raises(CommandError) as info:
+        torchrun(str(script), 7, nproc_per_node=2, timeout=120, echo=False)
+    assert info.value.returncode != 0 and "FAILED" in info.value.output and "exitcode" in info.value.output
+
+
+def test_torchrun_bad_arguments():
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        torchrun("x.py", nproc_per_node=0)

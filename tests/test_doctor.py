@@ -1,0 +1,50 @@
+"""The preflight: its checks, its notebook table, and its exit code."""
+import os
+import subprocess
+import sys
+
+from course_lib import course, doctor
+
+
+def test_preflight_passes_here_and_exits_zero():
+    out = subprocess.run([sys.executable, "-m", "course_lib", "doctor"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[  ok] gloo 2-rank all_reduce: 2 ranks agreed" in out.stdout
+    assert "00_welcome.ipynb" in out.stdout and "ready:" in out.stdout
+
+
+def test_preflight_fails_with_the_fix_when_something_is_missing(tmp_path):
+    # a fake package that shadows cloudpickle and fails to import, as a broken install would
+    (tmp_path / "cloudpickle.py").write_text("raise ImportError('simulated missing package')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    out = subprocess.run([sys.executable, "-m", "course_lib", "doctor", "--no-smoke"], capture_output=True,
+                         text=True, timeout=180, env=env)
+    assert out.returncode == 1
+    assert "[FAIL] cloudpickle: missing" in out.stdout and "fix: pip install -e '.[test]'" in out.stdout
+    assert "NOT READY" in out.stdout
+
+
+def test_small_shm_is_a_failure_with_the_docker_fix():
+    c = doctor._shm(64.0)
+    assert c.status == doctor.FAIL and "--shm-size" in c.fix
+    assert doctor._shm(512.0).status == doctor.WARN
+    assert doctor._shm(4096.0).status == doctor.OK
+    assert doctor._shm(None).status == doctor.INFO
+
+
+def test_notebook_table_by_gpu_count():
+    cpu = dict(doctor.notebook_table(gpu_count=0))
+    two = dict(doctor.notebook_table(gpu_count=2))
+    for nb in course.NOTEBOOKS:
+        if not nb.available:
+            assert cpu[nb.file] == "not written yet"
+        elif nb.gpus_for_all == 0:
+            assert cpu[nb.file] == two[nb.file] == "full"
+        else:
+            assert cpu[nb.file].startswith(nb.cpu) and two[nb.file] == "full"
+    assert all(s.startswith("no") or s == "not written yet" for _, s in doctor.notebook_table(0, failed=True))
+
+
+def test_cli_usage_is_explained():
+    out = subprocess.run([sys.executable, "-m", "course_lib"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "doctor" in out.stderr
