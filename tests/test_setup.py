@@ -1,0 +1,75 @@
+"""Set-up that cannot drift: one dependency list, README's map and commands, notebooks without outputs."""
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+from course_lib import course
+
+ROOT = Path(__file__).resolve().parent.parent
+CONDA_NAMES = {"torch": "pytorch"}  # PyPI name -> conda-forge name, where they differ
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def requirement(spec: str) -> tuple[str, str]:
+    name, version = re.match(r"([A-Za-z0-9_.\-]+)\s*(.*)", spec.split(";")[0].strip()).groups()
+    return CONDA_NAMES.get(name.lower(), name.lower()), version.replace(" ", "")
+
+
+def test_environment_yml_lists_exactly_pyprojects_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + project["optional-dependencies"]["test"] + project["optional-dependencies"]["lab"]
+    wanted = dict(requirement(s) for s in specs if "python_version" not in s)
+    conda, in_deps = {}, False
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        if line.startswith("dependencies:"):
+            in_deps = True
+        elif in_deps and re.match(r"  - [A-Za-z]", line):
+            name, version = requirement(line[4:])
+            if name not in ("python", "pip"):
+                conda[name] = version
+    assert conda == wanted
+    assert "      - -e ." in (ROOT / "environment.yml").read_text()  # course_lib in development mode
+
+
+def test_readme_course_map_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- course-map[^>]*-->\n(.*?)\n<!-- /course-map -->", readme, re.S)
+    assert block, "README lost its course-map markers"
+    assert block.group(1).strip() == course.markdown_table().strip(), "run: python -m course_lib map"
+
+
+def test_ci_runs_readmes_test_command():
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert "make test    #" in readme and "make lab     #" in readme
+    assert re.search(r"^make test\b", ci, re.M)
+    assert 'TORCH="torch==2.13.0"' in ci  # the CPU build, not a multi-GB CUDA download
+    assert "make test" in (ROOT / ".github" / "workflows" / "test.yml").read_text()
+
+
+def test_every_notebook_is_in_the_map_and_committed_without_outputs():
+    files = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert files == [nb.file for nb in course.NOTEBOOKS if nb.available]
+    for name in files:
+        nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{name}: clear the outputs"
+
+
+def test_every_notebook_opens_with_its_frame_and_ends_with_summary_and_exercises():
+    for nb_info in course.NOTEBOOKS:
+        if not nb_info.available:
+            continue
+        nb = nbformat.read(nb_info.path, as_version=4)
+        first = nb.cells[0].source
+        for word in ("**You will:**", "**Prerequisites:**", "**Hardware:**", "**Runtime:**"):
+            assert word in first, f"{nb_info.file}: the first cell lacks {word}"
+        last = nb.cells[-1].source
+        assert "## Summary" in last and "## Exercises" in last, f"{nb_info.file}: end with a summary and exercises"
+        assert "hardware.summary()" in "".join(c.source for c in nb.cells[:3]), f"{nb_info.file}: say what it ran on"
