@@ -209,24 +209,39 @@ def test_parallel_runs_never_collide_on_a_port(no_leftovers):
     assert outs == [[2.0, 2.0]] * 8
 
 
-def test_ranks_die_with_the_kernel(tmp_path):
-    """A kernel killed with SIGKILL cannot clean up: the ranks must notice and exit by themselves."""
-    pids = tmp_path / "pids"
+def _start_waiting_run(pids_file):
+    """A 'kernel' (a Python process) that runs 2 ranks which record their pids and wait."""
     script = textwrap.dedent(f"""
         import os, time
         from course_lib.launch import run
         def wait_forever(rank, world_size):
-            with open({str(pids)!r}, "a") as f:
+            with open({str(pids_file)!r}, "a") as f:
                 f.write(f"{{os.getpid()}}\\n")
             time.sleep(600)
         run(wait_forever, 2, timeout=600)
     """)
-    kernel = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    kernel = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+    while time.monotonic() < deadline and (not pids_file.exists() or len(pids_file.read_text().split()) < 2):
         time.sleep(0.1)
-    rank_pids = {int(p) for p in pids.read_text().split()}
+    rank_pids = {int(p) for p in pids_file.read_text().split()}
     assert len(rank_pids) == 2
+    return kernel, rank_pids
+
+
+def test_interrupting_the_cell_stops_every_rank(tmp_path):
+    """Jupyter's stop button sends SIGINT to the kernel: run() must kill its ranks on the way out."""
+    kernel, rank_pids = _start_waiting_run(tmp_path / "pids")
+    kernel.send_signal(signal.SIGINT)
+    _, err = kernel.communicate(timeout=30)
+    assert "KeyboardInterrupt" in err
+    assert wait_gone(rank_pids, within=10) == set()
+
+
+def test_ranks_die_with_the_kernel(tmp_path):
+    """A kernel killed with SIGKILL cannot clean up: the ranks must notice and exit by themselves."""
+    kernel, rank_pids = _start_waiting_run(tmp_path / "pids")
     kernel.send_signal(signal.SIGKILL)
     kernel.wait()
     assert wait_gone(rank_pids, within=10) == set()
