@@ -81,3 +81,63 @@ def draw_barrier(times: list[tuple[float, float]]):
     ax.set_title("barrier: nobody leaves before the last rank arrives")
     fig.tight_layout()
     return fig
+
+
+def draw_ring_state(world_size: int, step: int):
+    """The ring all-reduce after ``step`` steps: what each rank's chunks contain, and what moves next.
+
+    A cell lists the ranks whose data a chunk holds (green when it holds all of them); a red frame marks
+    the chunk each rank sends to its right-hand neighbour in the next step.
+    """
+    from .allreduce import ring_sends, ring_state  # local import: viz stays importable on its own
+
+    n = world_size
+    state = ring_state(n, step)
+    sends = ring_sends(n, step) if step < 2 * (n - 1) else [None] * n
+    fig, ax = plt.subplots(figsize=(1.1 * n + 2.2, 0.5 * n + 1.2))
+    cmap = plt.get_cmap("Blues")
+    for rank in range(n):
+        y = n - 1 - rank
+        for chunk in range(n):
+            who = state[rank][chunk]
+            full = len(who) == n
+            color = "#5cb85c" if full else cmap(0.15 + 0.6 * len(who) / n)
+            ax.add_patch(Rectangle((chunk, y + 0.08), 0.92, 0.84, color=color))
+            label = "Σ all" if full and n > 3 else "+".join(map(str, sorted(who)))
+            ax.text(chunk + 0.46, y + 0.5, label, ha="center", va="center", fontsize=8)
+            if sends[rank] == chunk:
+                ax.add_patch(Rectangle((chunk + 0.02, y + 0.1), 0.88, 0.8, fill=False, ec="red", lw=2.5))
+    phase = ("start" if step == 0 else "reduce-scatter" if step <= n - 1 else "all-gather")
+    ax.set_title(f"ring all-reduce, {n} ranks: after step {step} of {2 * (n - 1)} ({phase}); "
+                 "red: sent to the right next", fontsize=9)
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, n)
+    ax.set_xticks([c + 0.46 for c in range(n)], [f"chunk {c}" for c in range(n)], fontsize=8)
+    ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_all_reduce_sweep(sizes, results: dict, world_sizes: list[int]):
+    """Time and bus bandwidth against message size, one line per implementation and world size.
+
+    ``results[world_size][implementation]`` is a list of seconds, one per entry of ``sizes`` (bytes).
+    """
+    from .costmodel import busbw
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = ["-", "--", ":", "-."]
+    for wi, n in enumerate(world_sizes):
+        for ii, (name, times) in enumerate(results[n].items()):
+            kw = dict(color=rank_color(ii), ls=styles[wi % len(styles)], marker="o", ms=3,
+                      label=f"{name}, {n} ranks")
+            ax_t.loglog(sizes, times, **kw)
+            ax_b.semilogx(sizes, [busbw(s, t, n) / 1e9 for s, t in zip(sizes, times)], **kw)
+    ax_t.set(xlabel="message size (bytes)", ylabel="time per all-reduce (s)", title="time")
+    ax_b.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth = algbw·2(N−1)/N")
+    ax_b.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig

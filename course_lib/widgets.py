@@ -44,3 +44,34 @@ class CollectiveExplorer:
 
     def _ipython_display_(self):
         display(self.widget)
+
+
+class RingStepper:
+    """Step through the ring all-reduce: world size and step number, drawn by ``viz.draw_ring_state``."""
+
+    def __init__(self, world_size: int = 4, step: int = 0, max_world_size: int = 8):
+        from .allreduce import ring_state
+        self._ring_state = ring_state
+        self.world_size = W.IntSlider(value=world_size, min=2, max=max_world_size, description="ranks")
+        self.step = W.IntSlider(value=step, min=0, max=2 * (world_size - 1), description="step")
+        self.out = W.Output()
+        self.state: list = []
+        self.widget = W.VBox([W.HBox([self.world_size, self.step]), self.out])
+        self.world_size.observe(self._resize, names="value")
+        self.step.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _resize(self, *_):
+        self.step.max = 2 * (self.world_size.value - 1)  # clamps step.value, which redraws if it changed
+        self._redraw()
+
+    def _redraw(self, *_):
+        self.state = self._ring_state(self.world_size.value, self.step.value)
+        with self.out:
+            self.out.clear_output(wait=True)
+            fig = viz.draw_ring_state(self.world_size.value, self.step.value)
+            display(fig)
+            plt.close(fig)
+
+    def _ipython_display_(self):
+        display(self.widget)

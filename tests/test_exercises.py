@@ -81,3 +81,70 @@ def test_global_mean_wrong_answers_are_explained():
 def test_a_non_function_is_explained():
     fb = ex01.check_global_mean(3.0)  # a value, not a function
     assert fb.status == WRONG and "pass your function itself" in fb.message
+
+
+# ---- notebook 02: all-reduce by hand ------------------------------------------------------------------------
+from course_lib import allreduce  # noqa: E402
+from course_lib.allreduce import exchange  # noqa: E402
+from course_lib.exercises import ex02  # noqa: E402
+
+
+def test_all_reduce_references_pass_and_stub_is_not_attempted():
+    for fn in (allreduce.naive_all_reduce, allreduce.ring_all_reduce, allreduce.recursive_doubling_all_reduce):
+        assert ex02.check_all_reduce(fn).status == PASSED
+    assert ex02.check_all_reduce(lambda t: (_ for _ in ()).throw(NotImplementedError)).status == NOT_ATTEMPTED
+    assert "pass your function itself" in ex02.check_all_reduce(None).message
+
+
+def naive_without_send_back(t):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        buf = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(buf, src)
+            t += buf
+    else:
+        dist.send(t, 0)
+
+
+def naive_root_forgets_itself(t):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        buf, acc = torch.empty_like(t), torch.zeros_like(t)
+        for src in range(1, n):
+            dist.recv(buf, src)
+            acc += buf
+        t.copy_(acc)
+        for dst in range(1, n):
+            dist.send(t, dst)
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
+def ring_variant(t, all_gather=True, all_gather_adds=False, split=True):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(t.view(-1).tensor_split(n)) if split else list(t.view(-1).chunk(n))
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        buf = incoming[: chunks[recv_i].numel()]
+        exchange(chunks[send_i], (rank + 1) % n, buf, (rank - 1) % n)
+        chunks[recv_i] += buf
+    for step in range(n - 1 if all_gather else 0):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        buf = incoming[: chunks[recv_i].numel()] if all_gather_adds else chunks[recv_i]
+        exchange(chunks[send_i], (rank + 1) % n, buf, (rank - 1) % n)
+        if all_gather_adds:
+            chunks[recv_i] += buf
+
+
+def test_all_reduce_wrong_answers_are_explained():
+    cases = {naive_without_send_back: "only rank 0 has the sum",
+             naive_root_forgets_itself: "without rank 0's data",
+             (lambda t: ring_variant(t, all_gather=False)): "stopped after the reduce-scatter",
+             (lambda t: ring_variant(t, all_gather_adds=True)): "added twice",
+             (lambda t: ring_variant(t, split=False)): "tensor_split"}
+    for fn, phrase in cases.items():
+        fb = ex02.check_all_reduce(fn)
+        assert fb.status == WRONG and phrase in fb.message, fb

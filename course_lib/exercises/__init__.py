@@ -39,9 +39,14 @@ def wrong(message: str) -> Feedback:
 
 def run_attempt(fn, world_size: int, *args, timeout: float = 20, timeout_hint: str = "",
                 error_hints: dict[str, str] | None = None):
-    """Run a learner's worker on ``world_size`` ranks: ``(results, None)`` or ``(None, Feedback)``."""
-    if not callable(fn):
-        return None, wrong(f"pass your function itself (without calling it), got {fn!r}")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks: ``(results, None)`` or ``(None, Feedback)``.
+
+    ``fn`` is the learner's worker, or a course worker whose ``args`` carry the learner's function; every
+    callable among them must be one (a learner passing ``f()`` instead of ``f`` is told so).
+    """
+    for f in (fn, *args):
+        if not callable(f):
+            return None, wrong(f"pass your function itself (without calling it), got {f!r}")
     try:
         return run(fn, world_size, *args, timeout=timeout, show_output=False), None
     except RankError as e:

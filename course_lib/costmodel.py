@@ -1,0 +1,112 @@
+"""Measuring all-reduce and modelling its cost: bandwidths the nccl-tests way, and the α-β model.
+
+**Algorithm bandwidth** is what a user sees: bytes reduced / time.  **Bus bandwidth** corrects it for
+the algorithm's traffic: a ring all-reduce makes every rank send (and receive) 2(N-1)/N times the data,
+so ``busbw = algbw * 2(N-1)/N``.  Bus bandwidth is comparable across world sizes and with the link's
+specification (this is how nccl-tests reports it).
+
+The **α-β model** says a message of n bytes costs ``α + n·β``: α is the latency (seconds per
+message), β the inverse bandwidth (seconds per byte).  Each algorithm is a number of sequential
+steps, each step a message:
+
+* ring:                2(N-1) steps of n/N bytes: ``2(N-1)·α + 2(N-1)/N · n·β``
+* recursive doubling:  log2(N) steps of n bytes: ``⌈log2 N⌉·(α + n·β)`` (+2 steps when N is no power of 2)
+* naive:               2(N-1) messages of n bytes through rank 0's link: ``2(N-1)·(α + n·β)``
+
+Fit α and β to your own measurements (:func:`fit_alpha_beta`), and the model predicts the rest.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s."""
+    return nbytes / seconds
+
+
+def busbw(nbytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth of an all-reduce in bytes/s: ``algbw * 2(N-1)/N`` (nccl-tests' definition)."""
+    return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size
+
+
+def steps_and_volume(algorithm: str, world_size: int) -> tuple[float, float]:
+    """(number of α terms, multiple of n·β) of ``algorithm`` on ``world_size`` ranks."""
+    n = world_size
+    if n == 1:
+        return 0.0, 0.0
+    if algorithm == "ring":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if algorithm == "recursive doubling":
+        k = math.floor(math.log2(n)) + (0 if n & (n - 1) == 0 else 2)
+        return k, k
+    if algorithm == "naive":
+        return 2 * (n - 1), 2 * (n - 1)
+    raise ValueError(f"no cost model for {algorithm!r}: use 'ring', 'recursive doubling' or 'naive'")
+
+
+def predict(algorithm: str, nbytes, world_size: int, alpha: float, beta: float):
+    """Predicted seconds for one all-reduce of ``nbytes`` (a number or an array)."""
+    steps, volume = steps_and_volume(algorithm, world_size)
+    return steps * alpha + volume * np.asarray(nbytes, dtype=float) * beta
+
+
+def fit_alpha_beta(nbytes, seconds, algorithm: str, world_size: int) -> dict:
+    """Least-squares fit of α and β to measured times of ``algorithm``.
+
+    Ordinary least squares on the times (so R² has its usual meaning), with α kept >= 0. Returns α (s),
+    β (s/byte), the implied bandwidth 1/β (bytes/s), R² of the fitted times and the largest relative error.
+    """
+    x, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(x) < 3:
+        raise ValueError("measure at least 3 message sizes to fit two parameters and judge the fit")
+    steps, volume = steps_and_volume(algorithm, world_size)
+    if steps == 0:
+        raise ValueError("one rank communicates nothing: fit on 2 or more ranks")
+    design = np.stack([np.full_like(x, steps), volume * x], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if alpha < 0:  # latency cannot be negative: refit the bandwidth term alone
+        alpha = 0.0
+        beta = float(np.linalg.lstsq(design[:, 1:], t, rcond=None)[0][0])
+    fitted = steps * alpha + volume * x * beta
+    r2 = 1 - np.sum((t - fitted) ** 2) / np.sum((t - t.mean()) ** 2)
+    return {"alpha": float(alpha), "beta": float(beta), "bandwidth": 1 / beta if beta > 0 else math.inf,
+            "r2": float(r2), "max_rel_error": float(np.max(np.abs(fitted - t) / t))}
+
+
+def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], repeats: int = 5,
+                    min_seconds: float = 0.0) -> dict | None:
+    """Worker: time each implementation on float32 tensors of ``sizes`` bytes; rank 0 returns the results.
+
+    Every measurement starts after a barrier, and the time of an all-reduce is the *slowest* rank's
+    (an all-reduce is done when every rank has the result).  The best of ``repeats`` is kept (the least
+    disturbed by other processes on a shared machine); small
+    messages are repeated until ``min_seconds`` have passed, to see past the clock's resolution.
+    """
+    results: dict[str, list[float]] = {}
+    for name, fn in implementations.items():
+        results[name] = []
+        for nbytes in sizes:
+            x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)  # zeros: repeated sums never overflow
+            fn(x)  # warm-up: connections, allocations
+            samples = []
+            for _ in range(repeats):
+                inner = 1
+                while True:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        fn(x)
+                    elapsed = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if elapsed.item() * inner >= min_seconds or inner >= 1024:
+                        break
+                    inner *= 4
+                samples.append(elapsed.item())
+            results[name].append(min(samples))
+    return results if rank == 0 else None

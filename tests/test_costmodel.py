@@ -1,0 +1,63 @@
+"""Bandwidth definitions and the α-β fit, on numbers whose answer is known; the timing worker on real ranks."""
+import math
+
+import numpy as np
+import pytest
+
+from course_lib import allreduce, costmodel
+from course_lib.launch import run
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    assert costmodel.algbw(1e9, 0.5) == 2e9
+    assert costmodel.busbw(1e9, 0.5, 8) == pytest.approx(2e9 * 2 * 7 / 8)
+    assert costmodel.busbw(1e9, 0.5, 2) == pytest.approx(2e9)
+
+
+def test_cost_model_steps():
+    assert costmodel.steps_and_volume("ring", 4) == (6, 1.5)
+    assert costmodel.steps_and_volume("recursive doubling", 8) == (3, 3)
+    assert costmodel.steps_and_volume("recursive doubling", 6) == (4, 4)  # 2 fold steps + log2(4)
+    assert costmodel.steps_and_volume("naive", 3) == (4, 4)
+    assert costmodel.steps_and_volume("ring", 1) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="no cost model"):
+        costmodel.steps_and_volume("butterfly", 4)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive doubling", "naive"])
+def test_fit_recovers_known_alpha_and_beta(algorithm):
+    alpha, beta, n = 50e-6, 1 / 5e9, 4
+    sizes = np.logspace(10, 27, 12, base=2)
+    times = costmodel.predict(algorithm, sizes, n, alpha, beta)
+    fit = costmodel.fit_alpha_beta(sizes, times, algorithm, n)
+    assert fit["alpha"] == pytest.approx(alpha, rel=1e-6) and fit["beta"] == pytest.approx(beta, rel=1e-6)
+    assert fit["r2"] == pytest.approx(1.0) and fit["max_rel_error"] < 1e-6
+
+
+def test_fit_on_noisy_data_keeps_alpha_non_negative_and_reports_quality():
+    rng = np.random.default_rng(0)
+    sizes = np.logspace(12, 26, 8, base=2)
+    times = costmodel.predict("ring", sizes, 4, 0.0, 1e-9) * rng.uniform(0.8, 1.2, len(sizes))
+    fit = costmodel.fit_alpha_beta(sizes, times, "ring", 4)
+    assert fit["alpha"] >= 0 and 0.9 < fit["r2"] <= 1 and fit["max_rel_error"] > 0.01
+    with pytest.raises(ValueError, match="at least 3"):
+        costmodel.fit_alpha_beta(sizes[:2], times[:2], "ring", 4)
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        costmodel.fit_alpha_beta(sizes, times, "ring", 1)
+
+
+def test_prediction_for_a_billion_parameters():
+    # 4 GB of fp32 gradients over 8 ranks at 100 GB/s, no latency: 2*(7/8)*4e9/1e11 = 70 ms
+    assert costmodel.predict("ring", 4e9, 8, 0.0, 1 / 100e9) == pytest.approx(0.07)
+    # the ring's bandwidth term hardly grows with N; its latency term grows linearly
+    big = costmodel.predict("ring", 4e9, 1024, 10e-6, 1 / 100e9)
+    assert big == pytest.approx(2 * 1023 * 10e-6 + 2 * 1023 / 1024 * 0.04)
+    assert math.isclose(costmodel.predict("ring", 0, 64, 1e-5, 0), 2 * 63 * 1e-5)
+
+
+def test_timing_worker_measures_every_implementation_and_size():
+    sizes = [1024, 65536]
+    out = run(costmodel.time_all_reduce, 2, allreduce.IMPLEMENTATIONS, sizes, 2, show_output=False)
+    assert out[1] is None
+    assert set(out[0]) == set(allreduce.IMPLEMENTATIONS)
+    assert all(len(t) == 2 and all(0 < s < 5 for s in t) for t in out[0].values())
