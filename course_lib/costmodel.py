@@ -83,16 +83,20 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
                     min_seconds: float = 0.0) -> dict | None:
     """Worker: time each implementation on float32 tensors of ``sizes`` bytes; rank 0 returns the results.
 
+    The tensors live where the backend wants them: on the rank's GPU with NCCL, in CPU memory with Gloo.
+
     Every measurement starts after a barrier, and the time of an all-reduce is the *slowest* rank's
     (an all-reduce is done when every rank has the result).  The best of ``repeats`` is kept (the least
     disturbed by other processes on a shared machine); small
     messages are repeated until ``min_seconds`` have passed, to see past the clock's resolution.
     """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results: dict[str, list[float]] = {}
     for name, fn in implementations.items():
         results[name] = []
         for nbytes in sizes:
-            x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)  # zeros: repeated sums never overflow
+            x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)  # zeros never overflow
             fn(x)  # warm-up: connections, allocations
             samples = []
             for _ in range(repeats):
@@ -102,7 +106,8 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
                     t0 = time.perf_counter()
                     for _ in range(inner):
                         fn(x)
-                    elapsed = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64)
+                    sync()  # a GPU runs asynchronously: wait for it before reading the clock
+                    elapsed = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64, device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if elapsed.item() * inner >= min_seconds or inner >= 1024:
                         break

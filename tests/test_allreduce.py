@@ -33,7 +33,7 @@ def compare_with_library(rank, world_size):
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_every_implementation_equals_dist_all_reduce(world_size):
-    assert run(compare_with_library, world_size, show_output=False, timeout=300) == [[]] * world_size
+    assert run(compare_with_library, world_size, backend="gloo", show_output=False, timeout=300) == [[]] * world_size
 
 
 def test_results_are_identical_on_every_rank_and_non_contiguous_tensors_work():
@@ -43,7 +43,7 @@ def test_results_are_identical_on_every_rank_and_non_contiguous_tensors_work():
             x = (torch.arange(12.0).reshape(3, 4) * (rank + 0.1)).t()  # a transposed, non-contiguous view
             out[name] = allreduce.IMPLEMENTATIONS[name](x).clone()
         return out
-    res = run(worker, 3, show_output=False)
+    res = run(worker, 3, backend="gloo", show_output=False)
     expected = torch.arange(12.0).reshape(3, 4).t() * (0.1 + 1.1 + 2.1)
     for name in HAND_WRITTEN:
         assert all(torch.equal(r[name], res[0][name]) for r in res)  # bitwise the same on every rank
@@ -54,7 +54,7 @@ def test_bad_op_is_a_clear_error():
     def worker(rank, world_size):
         allreduce.ring_all_reduce(torch.ones(2), op="max")
     with pytest.raises(Exception, match=r"op must be one of \('sum', 'avg'\)"):
-        run(worker, 2, show_output=False)
+        run(worker, 2, backend="gloo", show_output=False)
 
 
 def decode(t: torch.Tensor) -> frozenset:
@@ -71,7 +71,7 @@ def test_ring_stepper_state_is_what_the_real_ring_holds_after_every_step(world_s
         allreduce.ring_all_reduce(x, on_step=lambda step, chunks: snapshots.append([c.clone() for c in chunks]))
         return snapshots
 
-    per_rank = run(traced, world_size, show_output=False)
+    per_rank = run(traced, world_size, backend="gloo", show_output=False)
     for step in range(1, 2 * (world_size - 1) + 1):
         picture = allreduce.ring_state(world_size, step)
         real = [[decode(c) for c in per_rank[r][step - 1]] for r in range(world_size)]

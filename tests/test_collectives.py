@@ -13,7 +13,7 @@ def run_all(rank, world_size):
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_every_collective_matches_its_reference(world_size):
-    per_rank = run(run_all, world_size, show_output=False)
+    per_rank = run(run_all, world_size, backend="gloo", show_output=False)
     for name in collectives.DEMOS:
         results = [r[name] for r in per_rank]
         collectives.compare(name, results)  # raises on any disagreement
@@ -37,7 +37,7 @@ def test_reference_semantics_by_hand():
 
 
 def test_barrier_releases_nobody_before_the_last_arrival():
-    times = run(collectives.barrier_demo, 3, show_output=False)
+    times = run(collectives.barrier_demo, 3, backend="gloo", show_output=False)
     last = max(a for a, _ in times)
     assert last >= 0.25 and all(leave >= last - 0.01 for _, leave in times)
 

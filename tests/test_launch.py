@@ -26,7 +26,7 @@ def test_results_in_rank_order_with_args_closures_and_lambdas(no_leftovers):
         return {"rank": rank, "world": world_size, "sum": x.item() * scale + offset,
                 "initialised": dist.is_initialized(), "backend": dist.get_backend()}
 
-    out = run(worker, 3, 2.0, show_output=False)
+    out = run(worker, 3, 2.0, backend="gloo", show_output=False)
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert all(o["world"] == 3 and o["sum"] == 3 * 2.0 + 100 for o in out)
     assert all(o["initialised"] and o["backend"] == "gloo" for o in out)
@@ -40,7 +40,7 @@ def test_one_rank_and_eight_ranks(no_leftovers):
         t = torch.ones(2) * rank
         dist.all_reduce(t)
         return t.tolist()
-    assert run(total, 8, show_output=False) == [[28.0, 28.0]] * 8
+    assert run(total, 8, backend="gloo", show_output=False) == [[28.0, 28.0]] * 8
 
 
 def test_output_of_every_rank_is_relayed_in_rank_order(capsys, no_leftovers):
@@ -111,7 +111,7 @@ def test_a_collective_only_some_ranks_call_times_out_and_shows_where_each_rank_w
 
     start = time.monotonic()
     with pytest.raises(RunTimeoutError) as info:
-        run(half_hang, 2, timeout=3, show_output=False)
+        run(half_hang, 2, backend="gloo", timeout=3, show_output=False)
     elapsed = time.monotonic() - start
     assert 3 <= elapsed < 3 + 8
     assert info.value.pending == [0, 1]
@@ -121,7 +121,8 @@ def test_a_collective_only_some_ranks_call_times_out_and_shows_where_each_rank_w
 
 def test_a_rank_that_exits_while_a_peer_waits_gives_a_hint(no_leftovers):
     with pytest.raises(RankError) as info:
-        run(lambda r, w: dist.all_reduce(torch.ones(1)) if r == 0 else None, 2, timeout=20, show_output=False)
+        run(lambda r, w: dist.all_reduce(torch.ones(1)) if r == 0 else None, 2, backend="gloo", timeout=20,
+            show_output=False)
     assert info.value.rank == 0
     assert "Every rank must call the same collectives" in str(info.value)
 
@@ -205,7 +206,7 @@ def test_parallel_runs_never_collide_on_a_port(no_leftovers):
         dist.all_reduce(t)
         return t.item()
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda _: run(total, 2, show_output=False), range(8)))
+        outs = list(pool.map(lambda _: run(total, 2, backend="gloo", show_output=False), range(8)))
     assert outs == [[2.0, 2.0]] * 8
 
 
