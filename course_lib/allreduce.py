@@ -171,3 +171,23 @@ def ring_sends(world_size: int, step: int) -> list[int]:
     if step < n - 1:
         return [(r - step) % n for r in range(n)]
     return [(r + 1 - (step - n + 1)) % n for r in range(n)]
+
+
+def bytes_sent(rank, world_size, name: str, numel: int) -> int:
+    """Worker: run implementation ``name`` once on ``numel`` float32 elements and count the bytes this
+    rank sends (by wrapping ``dist.send`` and ``dist.isend`` in this process only)."""
+    sent = [0]
+    real_send, real_isend = dist.send, dist.isend
+
+    def counting(real):
+        def wrapper(tensor, dst, *args, **kwargs):
+            sent[0] += tensor.numel() * tensor.element_size()
+            return real(tensor, dst, *args, **kwargs)
+        return wrapper
+
+    dist.send, dist.isend = counting(real_send), counting(real_isend)
+    try:
+        IMPLEMENTATIONS[name](torch.zeros(numel))
+    finally:
+        dist.send, dist.isend = real_send, real_isend
+    return sent[0]

@@ -42,7 +42,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("01_ranks_and_collectives.ipynb", "Ranks and collectives on the CPU (Gloo)",
              "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25),
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
-             "naive, ring and tree all-reduce; bus bandwidth; an α-β cost model", 0, "full"),
+             "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25),
     Notebook("03_data_parallel.ipynb", "Data parallelism, from scratch to DDP",
              "gradient averaging, DistributedSampler, buckets and overlap, no_sync", 0, "full"),
     Notebook("04_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",

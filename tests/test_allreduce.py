@@ -89,3 +89,28 @@ def test_ring_state_rejects_steps_outside_the_algorithm():
 def test_ring_sends_are_each_ranks_chunk_for_the_next_step():
     assert allreduce.ring_sends(4, 0) == [0, 1, 2, 3]
     assert allreduce.ring_sends(4, 3) == [1, 2, 3, 0]  # all-gather starts with each rank's finished chunk
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 6])
+def test_traffic_per_rank_matches_the_text(world_size):
+    numel, n = 1200, world_size
+    S = numel * 4
+    count = {name: run(allreduce.bytes_sent, n, name, numel, backend="gloo", show_output=False)
+             for name in HAND_WRITTEN}
+    assert count["ring"] == [2 * (n - 1) / n * S] * n              # bandwidth-optimal, the same on every rank
+    assert count["naive"] == [(n - 1) * S] + [S] * (n - 1)         # rank 0 is the bottleneck
+    p = 1 << (n.bit_length() - 1)
+    folded = [S * (p.bit_length() - 1 + (r + p < n)) if r < p else S for r in range(n)]
+    assert count["recursive doubling"] == folded
+
+
+def test_ring_stepper_widget_follows_its_sliders():
+    from course_lib.widgets import RingStepper
+    st = RingStepper(world_size=3, step=2)
+    assert st.state == allreduce.ring_state(3, 2)
+    st.world_size.value = 6
+    assert st.step.max == 10
+    st.step.value = 10
+    assert st.state == allreduce.ring_state(6, 10)
+    st.world_size.value = 2  # the step is clamped to the new maximum
+    assert st.step.value == 2 and st.state == allreduce.ring_state(2, 2)
