@@ -1,0 +1,116 @@
+"""Data parallelism by hand: averaging gradients, then a small DistributedDataParallel from scratch.
+
+:func:`average_gradients` is data parallelism in four lines: after ``backward()``, all-reduce every
+gradient and divide by the world size.  It works, but it waits for the whole backward pass before the
+first byte moves, and sends one message per parameter.
+
+:class:`MiniDDP` does what ``torch.nn.parallel.DistributedDataParallel`` does, in a page:
+
+1. at construction it **broadcasts** rank 0's parameters and buffers, so every rank starts equal;
+2. it groups the parameters into **buckets** of about ``bucket_cap_mb``, in reverse order of
+   registration (the last layer's gradients are computed first);
+3. a hook on each parameter fires when its gradient is ready; when a bucket is complete its gradients
+   are flattened into one tensor and **all-reduced asynchronously**, while backward goes on computing
+   the earlier layers' gradients: communication **overlaps** computation;
+4. buckets are launched strictly in order (0, 1, 2, ...), so every rank issues the same collectives in
+   the same order even if its gradients become ready in a different order;
+5. :meth:`MiniDDP.finish_gradient_synchronization` (call it before ``optimizer.step()``) launches the
+   buckets whose parameters received no gradient (unused parameters count as zeros; their ``.grad``
+   stays ``None``, as in DDP), waits for every all-reduce, and writes the averages back.
+
+Buffers (BatchNorm's running statistics) are not averaged: like DDP, rank 0's are broadcast at every
+forward pass.  :attr:`MiniDDP.timeline` records when each bucket was launched and finished.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def average_gradients(model: nn.Module) -> None:
+    """After backward: make every rank's gradients the average over all ranks."""
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+class MiniDDP(nn.Module):
+    """A data-parallel wrapper with gradient buckets whose all-reduces overlap the backward pass."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=0)                     # every rank starts from rank 0's weights
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap, self.buckets, current, size = bucket_cap_mb * 2**20, [], [], 0
+        for p in reversed(params):                           # gradients arrive roughly last layer first
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self._bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self.buckets]       # gradients each bucket still waits for
+        self._next = 0                                       # the next bucket to launch, in order
+        self._in_flight: list[tuple[int, torch.Tensor, object, dict]] = []
+        self.timeline: list[dict] = []
+        self._t0 = time.perf_counter()
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0)
+        self._reset()
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        self._missing[self._bucket_of[p]] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        bucket = self.buckets[i]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        entry = {"bucket": i, "params": len(bucket), "bytes": flat.numel() * flat.element_size(),
+                 "launched": time.perf_counter() - self._t0}
+        work = dist.all_reduce(flat, async_op=True)
+        work.get_future().then(lambda _: entry.__setitem__("finished", time.perf_counter() - self._t0))
+        self.timeline.append(entry)
+        self._in_flight.append((i, flat, work, entry))
+        self._next = i + 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch what is left (buckets with unused parameters), wait, and write the averages back."""
+        self.backward_done = time.perf_counter() - self._t0   # the caller has just finished backward()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        world_size = dist.get_world_size()
+        for i, flat, work, entry in self._in_flight:
+            work.wait()
+            entry.setdefault("finished", time.perf_counter() - self._t0)
+            flat /= world_size
+            offset = 0
+            for p in self.buckets[i]:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        self._in_flight = []

@@ -1,0 +1,201 @@
+"""Training loops for notebook 03: one process, and N ranks kept in step four different ways.
+
+:func:`train_worker` is the data-parallel loop every rank runs: a ``DistributedSampler`` gives each rank
+its shard; ``set_epoch`` reshuffles it every epoch; after ``backward()`` the gradients are synchronised
+by the chosen strategy; the logged loss is the average over all ranks, not rank 0's alone.
+
+:func:`train_reference` is the proof: one process that trains on the *global* batch, the union of the
+ranks' batches at each step.  Data parallelism is correct when the two end with the same weights.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .data import WithExtras, make_dataset, make_mlp
+from .dataparallel import MiniDDP, average_gradients
+
+STRATEGIES = ("none", "by_hand", "mini_ddp", "torch_ddp")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (the same on every rank)."""
+
+    n: int = 1000                  # data set size: not a multiple of the world size on purpose
+    batch_size: int = 16           # per rank; the global batch is world_size times larger
+    epochs: int = 2
+    lr: float = 0.1
+    warmup_steps: int = 0          # linear learning-rate warm-up from lr/warmup_steps to lr
+    hidden: int = 64
+    depth: int = 2
+    model: str = "mlp"             # "mlp", or "extras": BatchNorm buffers and an unused parameter
+    strategy: str = "by_hand"      # how gradients are synchronised, one of STRATEGIES
+    bucket_cap_mb: float = 25.0
+    drop_last: bool = False
+    seed: int = 0
+
+    def with_(self, **changes) -> "TrainConfig":
+        return replace(self, **changes)
+
+
+def build_model(cfg: TrainConfig):
+    if cfg.model == "extras":
+        return WithExtras(hidden=cfg.hidden, seed=cfg.seed)
+    if cfg.model == "mlp":
+        return make_mlp(hidden=cfg.hidden, depth=cfg.depth, seed=cfg.seed)
+    raise ValueError(f"unknown model {cfg.model!r}: use 'mlp' or 'extras'")
+
+
+def _optimizer(params, cfg: TrainConfig):
+    opt = torch.optim.SGD(params, lr=cfg.lr)
+    warm = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm))
+    return opt, sched
+
+
+def _wrap(model, cfg: TrainConfig):
+    if cfg.strategy == "mini_ddp":
+        return MiniDDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    if cfg.strategy == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.model == "extras")
+    if cfg.strategy in ("none", "by_hand"):
+        return model
+    raise ValueError(f"unknown strategy {cfg.strategy!r}: use one of {STRATEGIES}")
+
+
+def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Run on every rank: returns the final weights and the loss averaged over ranks at each step."""
+    dataset = make_dataset(cfg.n, seed=cfg.seed)
+    model = build_model(cfg)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=cfg.drop_last)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
+    wrapped = _wrap(model, cfg)
+    opt, sched = _optimizer(wrapped.parameters(), cfg)
+    losses = []
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(wrapped(x), y)
+            loss.backward()
+            if cfg.strategy == "by_hand":
+                average_gradients(model)
+            elif cfg.strategy == "mini_ddp":
+                wrapped.finish_gradient_synchronization()
+            opt.step()
+            sched.step()
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)                # log the mean over ranks, not rank 0's loss
+            losses.append(logged.item() / world_size)
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+def global_batches(cfg: TrainConfig, world_size: int, epoch: int) -> list[torch.Tensor]:
+    """The indices of each step's global batch: rank 0's batch, then rank 1's, ... (as the ranks see them)."""
+    per_rank = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(cfg.n), num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=cfg.seed, drop_last=cfg.drop_last)
+        sampler.set_epoch(epoch)
+        per_rank.append(torch.tensor(list(sampler)).split(cfg.batch_size))
+    return [torch.cat([batches[t] for batches in per_rank]) for t in range(len(per_rank[0]))]
+
+
+def train_reference(cfg: TrainConfig, world_size: int) -> dict:
+    """One process, one model, the global batch at every step: what N ranks must reproduce."""
+    x_all, y_all = make_dataset(cfg.n, seed=cfg.seed).tensors
+    model = build_model(cfg)
+    opt, sched = _optimizer(model.parameters(), cfg)
+    losses = []
+    for epoch in range(cfg.epochs):
+        for idx in global_batches(cfg, world_size, epoch):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    return {"state": model.state_dict(), "losses": losses}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts' floating-point tensors."""
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def _step_fn(wrapped, model, opt, strategy):
+    def step(x, y):
+        opt.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        if strategy == "mini_ddp":
+            wrapped.finish_gradient_synchronization()
+        opt.step()
+    return step
+
+
+def timeline_worker(rank: int, world_size: int, width: int = 512, depth: int = 8, batch: int = 64,
+                    bucket_cap_mb: float = 1.0) -> dict:
+    """One measured MiniDDP step of a deep MLP: when forward and backward ended, when each bucket's
+    all-reduce was launched and finished (seconds from the start of forward)."""
+    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
+    ddp = MiniDDP(model, bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
+    for _ in range(3):                             # warm up; keep the last step's record
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        forward_done = time.perf_counter() - ddp._t0
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+    return {"forward_done": forward_done, "backward_done": ddp.backward_done, "buckets": ddp.timeline,
+            "bucket_sizes": [sum(p.numel() for p in b) * 4 for b in ddp.buckets]}
+
+
+def throughput_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
+                      steps: int = 20, strategy: str = "torch_ddp") -> float:
+    """Samples per second of the whole job (all ranks), training an MLP with ``strategy``."""
+    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
+    wrapped = _wrap(model, TrainConfig(strategy=strategy))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    step = _step_fn(wrapped, model, opt, strategy)
+    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
+    for _ in range(3):
+        step(x, y)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    dist.barrier()
+    return world_size * batch * steps / (time.perf_counter() - t0)
+
+
+def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
+                            rounds: int = 10, steps: int = 5) -> dict:
+    """Median step time of MiniDDP and of torch DDP on the same model, alternating, in one process group."""
+    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
+    steppers = {}
+    for strategy in ("mini_ddp", "torch_ddp"):
+        model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
+        wrapped = _wrap(model, TrainConfig(strategy=strategy))
+        steppers[strategy] = _step_fn(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        for _ in range(3):
+            steppers[strategy](x, y)
+    times: dict[str, list[float]] = {s: [] for s in steppers}
+    for _ in range(rounds):
+        for strategy, step in steppers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(x, y)
+            times[strategy].append((time.perf_counter() - t0) / steps)
+    return {s: statistics.median(t) for s, t in times.items()}
