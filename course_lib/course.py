@@ -44,7 +44,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
              "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25),
     Notebook("03_data_parallel.ipynb", "Data parallelism, from scratch to DDP",
-             "gradient averaging, DistributedSampler, buckets and overlap, no_sync", 0, "full"),
+             "gradient averaging, DistributedSampler, buckets and overlap, no_sync, LR scaling", 0, "full", 45),
     Notebook("04_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
              "the seed program fixed; torchrun; multi-node; bf16; bus bandwidth", 2, "partial"),
     Notebook("05_model_parallel.ipynb", "Manual model parallelism",

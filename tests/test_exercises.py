@@ -148,3 +148,31 @@ def test_all_reduce_wrong_answers_are_explained():
     for fn, phrase in cases.items():
         fb = ex02.check_all_reduce(fn)
         assert fb.status == WRONG and phrase in fb.message, fb
+
+
+# ---- notebook 03: averaging gradients by hand --------------------------------------------------------------
+from course_lib.dataparallel import average_gradients  # noqa: E402
+from course_lib.exercises import ex03  # noqa: E402
+
+
+def test_average_gradients_check():
+    assert ex03.check_average_gradients(average_gradients).status == PASSED
+    def stub_for_a_model(model):
+        raise NotImplementedError
+    assert ex03.check_average_gradients(stub_for_a_model).status == NOT_ATTEMPTED
+
+    def forgot_to_divide(model):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    def did_nothing(model):
+        pass
+
+    def used_reduce(model):
+        for p in model.parameters():
+            dist.reduce(p.grad, dst=0)
+            p.grad /= dist.get_world_size()
+
+    for fn, phrase in ((forgot_to_divide, "times too large"), (did_nothing, "unchanged"), (used_reduce, "only rank 0")):
+        fb = ex03.check_average_gradients(fn)
+        assert fb.status == WRONG and phrase in fb.message, fb

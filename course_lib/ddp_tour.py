@@ -1,0 +1,69 @@
+"""torch's DistributedDataParallel, feature by feature: gradient accumulation with ``no_sync`` and
+checkpoints written by rank 0 and loaded on every rank.  Each function is a worker for ``launch.run``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import checkpoint
+from .data import make_dataset, make_mlp
+from .hardware import device_for_rank
+
+
+def accumulation_worker(rank: int, world_size: int, micro_steps: int = 4, micro_batch: int = 8) -> dict:
+    """k micro-steps under ``no_sync`` (then one synchronised) == one step on a k-times larger batch.
+
+    Returns the largest weight difference between the two ways, and whether the ranks' gradients
+    differed before the last micro-step (they should: ``no_sync`` skips the all-reduce).
+    """
+    x, y = make_dataset(micro_steps * micro_batch * world_size, seed=1).tensors
+    mine = slice(rank * micro_steps * micro_batch, (rank + 1) * micro_steps * micro_batch)
+    x, y = x[mine], y[mine]
+
+    accumulated = DDP(make_mlp(seed=3))
+    opt = torch.optim.SGD(accumulated.parameters(), lr=0.1)
+    for i, (xb, yb) in enumerate(zip(x.split(micro_batch), y.split(micro_batch))):
+        last = i == micro_steps - 1
+        if last:
+            norm = torch.tensor([accumulated.module[0].weight.grad.norm().item()])
+            gathered = [torch.zeros(1) for _ in range(world_size)]
+            dist.all_gather(gathered, norm)            # before the last micro-step: do ranks differ?
+        context = accumulated.no_sync() if not last else torch.enable_grad()
+        with context:
+            (F.cross_entropy(accumulated(xb), yb) / micro_steps).backward()
+    opt.step()
+
+    big = DDP(make_mlp(seed=3))
+    opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    F.cross_entropy(big(x), y).backward()
+    opt.step()
+
+    diff = max((a - b).abs().max().item() for a, b in zip(accumulated.parameters(), big.parameters()))
+    return {"max_difference": diff, "grads_differed_before_sync": len({g.item() for g in gathered}) > 1}
+
+
+def checkpoint_worker(rank: int, world_size: int, path: str, steps: int = 5) -> dict:
+    """Train a few steps; rank 0 alone writes the checkpoint; every rank loads it onto its own device."""
+    device = device_for_rank(rank, dist.get_backend())
+    model = DDP(make_mlp(seed=0).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = make_dataset(64 * world_size, seed=2).tensors
+    x, y = x[rank::world_size].to(device), y[rank::world_size].to(device)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    if rank == 0:                                      # one writer: N ranks writing one file corrupt it
+        checkpoint.save_atomic({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                                "step": steps}, path)
+    dist.barrier()                                     # nobody reads before rank 0 has finished writing
+    snap = checkpoint.load(path, map_location=device)  # onto this rank's device, whatever saved it
+    fresh = make_mlp(seed=123).to(device)
+    fresh.load_state_dict(snap["model"])
+    resumed = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    resumed.load_state_dict(snap["optimizer"])
+    same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.module.parameters()))
+    return {"same_weights": same, "step": snap["step"], "device": str(device)}

@@ -1,0 +1,135 @@
+"""Hand-written data parallelism and MiniDDP equal torch DDP and one process on the global batch."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import checkpoint, ddp_tour, training, viz_dp
+from course_lib.data import WithExtras, make_dataset, make_mlp
+from course_lib.dataparallel import MiniDDP
+from course_lib.launch import RankError, run
+from course_lib.training import TrainConfig, max_difference
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, drop_last", [(250, False), (251, True)])
+def test_every_strategy_equals_one_process_on_the_global_batch(world_size, n, drop_last):
+    cfg = TrainConfig(n=n, batch_size=8, epochs=2, lr=0.1, drop_last=drop_last)
+    reference = training.train_reference(cfg, world_size)
+    for strategy in ("by_hand", "mini_ddp", "torch_ddp"):
+        out = run(training.train_worker, world_size, cfg.with_(strategy=strategy), backend="gloo",
+                  show_output=False)
+        assert max_difference(out[0]["state"], reference["state"]) < TOL, strategy
+        assert all(max_difference(o["state"], out[0]["state"]) == 0 for o in out), "ranks must agree exactly"
+        assert out[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0] / 2
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_mini_ddp_handles_buffers_and_unused_parameters_like_torch_ddp(world_size):
+    cfg = TrainConfig(n=120, batch_size=8, epochs=1, model="extras")
+    mini = run(training.train_worker, world_size, cfg.with_(strategy="mini_ddp"), backend="gloo", show_output=False)
+    ddp = run(training.train_worker, world_size, cfg.with_(strategy="torch_ddp"), backend="gloo", show_output=False)
+    for r in range(world_size):
+        assert max_difference(mini[r]["state"], ddp[r]["state"]) < TOL
+    untouched = training.build_model(cfg).state_dict()
+    for k in ("unused.weight", "unused.bias"):  # never used: never updated
+        assert torch.equal(mini[0]["state"][k], untouched[k])
+
+
+def inspect_mini_ddp(rank, world_size, cap):
+    torch.manual_seed(rank)                      # different initial weights on purpose...
+    model = WithExtras(seed=rank)
+    ddp = MiniDDP(model, bucket_cap_mb=cap)      # ...made equal by the broadcast from rank 0
+    x, y = make_dataset(16, seed=rank).tensors
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    ddp.finish_gradient_synchronization()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return {"weights": weights, "grads": grads, "buckets": [len(b) for b in ddp.buckets],
+            "order": [t["bucket"] for t in ddp.timeline], "unused_grad": model.unused.weight.grad}
+
+
+def test_mini_ddp_broadcasts_buckets_in_order_and_averages():
+    tiny = run(inspect_mini_ddp, 3, 1e-6, backend="gloo", show_output=False)
+    whole = run(inspect_mini_ddp, 3, 100.0, backend="gloo", show_output=False)
+    assert all(torch.equal(r["weights"], tiny[0]["weights"]) for r in tiny)   # broadcast at construction
+    assert all(torch.equal(r["grads"], tiny[0]["grads"]) for r in tiny)       # gradients averaged
+    torch.testing.assert_close(tiny[0]["grads"], whole[0]["grads"])           # bucket size changes nothing
+    assert tiny[0]["buckets"] == [1] * 8 and whole[0]["buckets"] == [8]        # one per tensor vs one in all
+    assert tiny[0]["order"] == list(range(8))                                   # launched in order
+    assert tiny[0]["unused_grad"] is None                                       # as in DDP
+
+
+def test_mini_ddp_rejects_a_bad_bucket_size():
+    with pytest.raises(RankError, match="bucket_cap_mb must be positive"):
+        run(lambda r, w: MiniDDP(make_mlp(), bucket_cap_mb=0), 1, backend="gloo", show_output=False)
+
+
+def test_timeline_shows_overlap():
+    rec = run(training.timeline_worker, 2, backend="gloo", show_output=False)[0]
+    assert len(rec["buckets"]) == 8
+    assert min(b["launched"] for b in rec["buckets"]) < rec["backward_done"]
+    assert all(b["finished"] >= b["launched"] for b in rec["buckets"])
+
+
+def test_no_sync_accumulation_equals_one_big_step():
+    for world_size in (1, 2, 3):
+        out = run(ddp_tour.accumulation_worker, world_size, backend="gloo", show_output=False)
+        assert all(r["max_difference"] < 1e-6 for r in out)
+        assert all(r["grads_differed_before_sync"] == (world_size > 1) for r in out)
+
+
+def test_checkpoint_from_rank_0_loads_everywhere(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    out = run(ddp_tour.checkpoint_worker, 3, str(path), backend="gloo", show_output=False)
+    assert all(r["same_weights"] and r["step"] == 5 for r in out)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_atomic_save_keeps_the_old_checkpoint_when_a_save_fails(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save_atomic({"step": 1, "w": torch.ones(3)}, path)
+    with pytest.raises(Exception):
+        checkpoint.save_atomic({"step": 2, "bad": lambda: None}, path)  # cannot be pickled: fails mid-save
+    assert checkpoint.load(path)["step"] == 1
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+class NotPlainData:
+    pass
+
+
+def test_weights_only_load_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"obj": NotPlainData()}, path)  # unpickling it would import and build a class: refused
+    with pytest.raises(Exception, match="[Ww]eights only load failed"):
+        checkpoint.load(path)
+
+
+def test_throughput_and_wrapper_workers_report_numbers():
+    assert run(training.throughput_worker, 2, 64, 2, 32, 2, backend="gloo", show_output=False)[0] > 0
+    times = run(training.compare_wrappers_worker, 2, 64, 2, 32, 2, 2, backend="gloo", show_output=False)[0]
+    assert set(times) == {"mini_ddp", "torch_ddp"} and all(t > 0 for t in times.values())
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="unknown model"):
+        training.build_model(TrainConfig(model="resnet"))
+    with pytest.raises(RankError, match="unknown strategy"):
+        run(training.train_worker, 1, TrainConfig(strategy="fsdp"), backend="gloo", show_output=False)
+    with pytest.raises(ValueError, match="classes >= 2"):
+        make_dataset(10, classes=1)
+
+
+def test_sampler_pictures_use_the_real_sampler():
+    assert viz_dp.sampler_shards(10, 4) == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
+    assert viz_dp.sampler_shards(10, 4, drop_last=True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    _, same = viz_dp.draw_epoch_orders(8, 2, 3, set_epoch=False)
+    _, new = viz_dp.draw_epoch_orders(8, 2, 3, set_epoch=True)
+    assert same[0] == same[1] == same[2] and len({tuple(o) for o in new}) == 3
+    fig = viz_dp.draw_sampler(7, 3)
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(map(str, [0, 3, 6, 1, 4, 0, 2, 5, 1]))
