@@ -122,3 +122,18 @@ def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = 
     args += [f"--nproc-per-node={nproc_per_node}", "--tee=3", *torchrun_args]
     args += (["-m", target] if module else [target]) + [str(a) for a in script_args]
     return run_command(args, timeout=timeout, env=env, cwd=cwd, echo=echo)
+
+
+def json_lines(output: str) -> list[dict]:
+    """The JSON objects a job printed, one per line (torchrun's ``[default0]:`` prefixes removed)."""
+    import json
+    import re
+    found = []
+    for line in output.splitlines():
+        line = re.sub(r"^\[[^\]]*\]:", "", line.strip())
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                pass
+    return found

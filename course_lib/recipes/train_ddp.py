@@ -1,0 +1,235 @@
+"""DDP training, production-shaped: the seed program with its bugs fixed.  Run it under torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp --epochs 4
+
+What it does that the seed program did not:
+* the device comes from ``LOCAL_RANK`` (the rank on this node), not the global rank, and ``set_device``
+  is called before ``init_process_group``;
+* it checks its launch (a launcher's environment, NCCL only with a GPU per rank) and says what to do;
+* the loss it logs is the mean over all ranks; a progress bar shows on rank 0 only;
+* bf16 autocast on GPUs; a checkpoint (model, optimizer, epochs run) written atomically by rank 0
+  every ``--save-every`` epochs, and resumed from automatically when the job is restarted;
+* it destroys the process group at the end, also when training fails.
+
+The last line rank 0 prints is a JSON summary (losses, throughput, a fingerprint of the final weights).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from course_lib import checkpoint
+from course_lib.data import make_dataset, make_mlp
+
+LAUNCH_HINT = "python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp"
+
+
+@dataclass
+class Context:
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="DDP training recipe (run under torchrun)")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with GPUs, else gloo")
+    p.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto", help="auto: bf16 on GPUs only")
+    p.add_argument("--checkpoint", default=None, help="snapshot path; resumed from when it exists")
+    p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
+    p.add_argument("--out", default=None, help="where rank 0 writes the final weights")
+    p.add_argument("--timeout", type=float, default=300, help="seconds before a stuck collective fails")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--crash-at-epoch", type=int, default=None,
+                   help="fault injection: SIGKILL one rank half-way through this epoch, counted from 1 "
+                        "(on the first attempt only, so a restarted job can finish)")
+    p.add_argument("--crash-rank", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def launch_env(environ=os.environ) -> dict[str, int]:
+    """The ranks the launcher gave this process; a clear error when there is no launcher."""
+    missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k not in environ]
+    if missing:
+        raise SystemExit(f"error: {', '.join(missing)} not set. This script must be started by a launcher that "
+                         f"sets RANK, LOCAL_RANK and WORLD_SIZE, for example:\n  {LAUNCH_HINT}")
+    env = {k: int(environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["LOCAL_WORLD_SIZE"] = int(environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    return env
+
+
+def choose_backend(requested: str | None, local_world_size: int, gpu_count: int, nccl_available: bool) -> str:
+    """NCCL when every rank on this node can have its own GPU; refuse what cannot work, saying why."""
+    if requested is None:
+        return "nccl" if nccl_available and 0 < local_world_size <= gpu_count else "gloo"
+    if requested == "nccl":
+        if gpu_count == 0:
+            raise SystemExit("error: --backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
+        if not nccl_available:
+            raise SystemExit("error: this build of torch has no NCCL: use --backend gloo")
+        if local_world_size > gpu_count:
+            raise SystemExit(f"error: {local_world_size} ranks on this node but {gpu_count} GPU(s): NCCL needs one GPU "
+                             f"per rank. Use --nproc-per-node={gpu_count}, or --backend gloo")
+    return requested
+
+
+def _store_for_this_attempt(env: dict, timeout: timedelta):
+    """Under torchrun the agent hosts the rendezvous store, and it outlives a failed attempt. Restarted
+    workers have been seen reading the dead workers' addresses from it ("Connection refused" at
+    init, pytorch issue 167288): give every attempt its own key space. ``None`` outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["WORLD_SIZE"],
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"course/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
+def setup(args) -> Context:
+    env = launch_env()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
+    if backend == "nccl":
+        device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
+        torch.cuda.set_device(device)                      # before init_process_group
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=args.timeout)
+    store = _store_for_this_attempt(env, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    else:
+        dist.init_process_group(backend, store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"], timeout=timeout)
+    return Context(env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], backend, device)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fingerprint(state: dict) -> str:
+    """A short hash of the weights: two runs with the same fingerprint ended with identical weights."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Trainer:
+    def __init__(self, args, ctx: Context):
+        self.args, self.ctx = args, ctx
+        torch.manual_seed(args.seed)
+        dataset = make_dataset(args.samples, seed=args.seed)
+        model = make_mlp(hidden=args.hidden, depth=args.depth, seed=args.seed).to(ctx.device)
+        self.model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed)
+        self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
+                                 pin_memory=ctx.device.type == "cuda")
+        self.amp = args.amp == "bf16" or (args.amp == "auto" and ctx.device.type == "cuda")
+        self.epochs_run, self.losses = 0, []
+        if args.checkpoint and os.path.exists(args.checkpoint):
+            self._load_snapshot()
+
+    def _save_snapshot(self) -> None:
+        if self.ctx.rank == 0:                             # one writer, atomically
+            checkpoint.save_atomic({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                    "epochs_run": self.epochs_run, "losses": self.losses}, self.args.checkpoint)
+        dist.barrier()
+
+    def _load_snapshot(self) -> None:
+        snap = checkpoint.load(self.args.checkpoint, map_location=self.ctx.device)
+        self.model.module.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.epochs_run, self.losses = snap["epochs_run"], list(snap["losses"])
+        self.log(f"resumed from {self.args.checkpoint} after {self.epochs_run} epoch(s)")
+
+    def log(self, message: str) -> None:
+        if self.ctx.rank == 0:
+            print(message, flush=True)
+
+    def _maybe_crash(self, epoch: int, step: int) -> None:
+        a = self.args
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if a.crash_at_epoch == epoch + 1 and self.ctx.rank == a.crash_rank and step == len(self.loader) // 2 \
+                and first_attempt:
+            print(f"rank {self.ctx.rank}: killing myself half-way through epoch {epoch + 1} (fault injection)",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _run_epoch(self, epoch: int) -> float:
+        from tqdm import tqdm
+        self.sampler.set_epoch(epoch)                      # a new shuffle each epoch, the same on all ranks
+        totals = torch.zeros(2, device=self.ctx.device)
+        bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=self.ctx.rank != 0 or not sys.stderr.isatty())
+        for step, (x, y) in enumerate(bar):
+            self._maybe_crash(epoch, step)
+            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+            with torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float(), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            totals += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.ctx.device)])
+        dist.all_reduce(totals)                            # the mean loss over ALL ranks' samples
+        return (totals[0] / totals[1]).item()
+
+    def train(self) -> dict:
+        start, samples = time.perf_counter(), 0
+        for epoch in range(self.epochs_run, self.args.epochs):
+            t0 = time.perf_counter()
+            loss = self._run_epoch(epoch)
+            seen = len(self.sampler) * self.ctx.world_size
+            samples += seen
+            self.losses.append(loss)
+            self.epochs_run = epoch + 1
+            self.log(f"epoch {epoch + 1}/{self.args.epochs}: loss {loss:.4f} (mean over {self.ctx.world_size} ranks), "
+                     f"{seen / (time.perf_counter() - t0):.0f} samples/s")
+            if self.args.checkpoint and (self.epochs_run % self.args.save_every == 0 or self.epochs_run == self.args.epochs):
+                self._save_snapshot()
+        state = self.model.module.state_dict()
+        if self.args.out and self.ctx.rank == 0:
+            checkpoint.save_atomic(state, self.args.out)
+        elapsed = time.perf_counter() - start
+        return {"event": "done", "world_size": self.ctx.world_size, "backend": self.ctx.backend,
+                "device": self.ctx.device.type, "bf16": self.amp, "epochs": self.epochs_run, "losses": self.losses,
+                "samples_per_s": samples / elapsed if elapsed > 0 else None, "weights": fingerprint(state)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ctx = setup(args)
+    try:
+        summary = Trainer(args, ctx).train()
+        if ctx.rank == 0:
+            print(json.dumps(summary), flush=True)
+        return summary
+    finally:
+        cleanup()                                          # also when training raised
+
+
+if __name__ == "__main__":
+    main()
