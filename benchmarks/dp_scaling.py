@@ -10,7 +10,7 @@ import argparse
 import functools
 import statistics
 
-from course_lib import hardware, training
+from course_lib import hardware, measure
 from course_lib.launch import run
 
 
@@ -23,7 +23,7 @@ def main():
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args()
     print(hardware.summary().splitlines()[0])
-    job = functools.partial(training.throughput_worker, width=a.width, depth=a.depth, batch=a.batch, steps=a.steps)
+    job = functools.partial(measure.throughput_worker, width=a.width, depth=a.depth, batch=a.batch, steps=a.steps)
     rates = {1: [], 2: []}
     for _ in range(a.rounds):
         for n in rates:

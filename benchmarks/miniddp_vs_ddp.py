@@ -7,7 +7,7 @@ process group and alternate, a few steps each, for ``--rounds`` rounds; medians 
 """
 import argparse
 
-from course_lib import hardware, training
+from course_lib import hardware, measure
 from course_lib.launch import run
 
 
@@ -20,7 +20,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     a = p.parse_args()
     print(hardware.summary().splitlines()[0])
-    t = run(training.compare_wrappers_worker, a.ranks, a.width, a.depth, a.batch, a.rounds, 5, backend="gloo",
+    t = run(measure.compare_wrappers_worker, a.ranks, a.width, a.depth, a.batch, a.rounds, 5, backend="gloo",
             show_output=False)[0]
     ratio = t["mini_ddp"] / t["torch_ddp"]
     print(f"{a.ranks} ranks, MLP {a.width} wide, {a.depth} layers, batch {a.batch} per rank, median of {a.rounds} rounds")

@@ -45,45 +45,66 @@ def run_command(args: list[str], timeout: float = 300, env: dict | None = None, 
     The command runs in a session of its own, so on timeout (or Ctrl-C / the notebook's stop button)
     it is stopped together with every process it started.
     """
-    args = [str(a) for a in args]
+    return run_commands([args], timeout=timeout, env=env, cwd=cwd, echo=echo, tail=tail)[0]
+
+
+def run_commands(commands: list[list[str]], labels: list[str] | None = None, timeout: float = 300,
+                 env: dict | None = None, cwd: str | None = None, echo: bool = True, tail: int = 40) -> list[Completed]:
+    """Run several commands at once (e.g. one torchrun per "node"), each line prefixed with its label.
+
+    All must succeed: when one fails or the time runs out, the others are stopped too, and
+    :class:`CommandError` shows the last lines of the one that failed.
+    """
+    commands = [[str(a) for a in args] for args in commands]
+    labels = labels or [""] * len(commands)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (env or {}).items()}}
-    try:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="backslashreplace", env=full_env, cwd=cwd, start_new_session=True)
-    except FileNotFoundError as e:
-        raise CommandError(f"{args[0]!r} was not found: is it installed in this environment?", None, "") from e
     lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
-                              daemon=True)
-    reader.start()
-    output, last = [], deque(maxlen=tail)
-    deadline = time.monotonic() + timeout
+    procs: list[subprocess.Popen] = []
     try:
-        while True:
+        for i, args in enumerate(commands):
             try:
-                line = lines.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+                proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        errors="backslashreplace", env=full_env, cwd=cwd, start_new_session=True)
+            except FileNotFoundError as e:
+                raise CommandError(f"{args[0]!r} was not found: is it installed in this environment?", None, "") from e
+            procs.append(proc)
+            threading.Thread(target=_pump, args=(proc, i, lines), daemon=True).start()
+        outputs: list[list[str]] = [[] for _ in commands]
+        last: list[deque] = [deque(maxlen=tail) for _ in commands]
+        open_streams, deadline = len(commands), time.monotonic() + timeout
+        while open_streams:
+            try:
+                i, line = lines.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
-                    _stop(proc)
-                    text = "".join(output)
-                    raise CommandError(f"{' '.join(args)} did not finish within {timeout:g} s and was stopped. "
-                                       f"Last output:\n{''.join(last)}", None, text) from None
+                    busy = [" ".join(commands[k]) for k, p in enumerate(procs) if p.poll() is None]
+                    raise CommandError(f"{'; '.join(busy)} did not finish within {timeout:g} s and was stopped. "
+                                       f"Last output:\n{''.join(line for d in last for line in d)}", None,
+                                       "".join(line for o in outputs for line in o)) from None
                 continue
             if line is None:
-                break
-            output.append(line)
-            last.append(line)
+                open_streams -= 1
+                procs[i].wait()
+                if procs[i].returncode != 0:
+                    raise CommandError(f"{' '.join(commands[i])} failed with exit code {procs[i].returncode}. "
+                                       f"Last output:\n{''.join(last[i])}", procs[i].returncode, "".join(outputs[i]))
+                continue
+            line = f"{labels[i]}{line}"
+            outputs[i].append(line)
+            last[i].append(line)
             if echo:
                 print(line, end="", flush=True)
-        proc.wait()
     finally:
-        if proc.poll() is None:
-            _stop(proc)
-    text = "".join(output)
-    if proc.returncode != 0:
-        raise CommandError(f"{' '.join(args)} failed with exit code {proc.returncode}. Last output:\n"
-                           f"{''.join(last)}", proc.returncode, text)
-    return Completed(args, proc.returncode, text)
+        for proc in procs:
+            if proc.poll() is None:
+                _stop(proc)
+    return [Completed(args, 0, "".join(out)) for args, out in zip(commands, outputs)]
+
+
+def _pump(proc: subprocess.Popen, index: int, lines: queue.Queue) -> None:
+    for line in proc.stdout:
+        lines.put((index, line))
+    lines.put((index, None))
 
 
 def _stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
@@ -124,13 +145,35 @@ def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = 
     return run_command(args, timeout=timeout, env=env, cwd=cwd, echo=echo)
 
 
+def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: int = 1, module: bool = False,
+                   timeout: float = 300, env: dict | None = None, cwd: str | None = None,
+                   echo: bool = True) -> list[Completed]:
+    """Simulate a multi-node job on this machine: one torchrun per "node", meeting over loopback.
+
+    Each gets ``--nnodes``, its own ``--node-rank`` and the same c10d rendezvous endpoint
+    (``127.0.0.1:<free port>``), exactly as on ``nnodes`` real machines sharing a head node's address.
+    """
+    from .launch import free_port
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = []
+    for node in range(nnodes):
+        args = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
+                f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=course-job", "--tee=3"]
+        commands.append(args + (["-m", target] if module else [target]) + [str(a) for a in script_args])
+    return run_commands(commands, labels=[f"[node {n}]" for n in range(nnodes)], timeout=timeout, env=env,
+                        cwd=cwd, echo=echo)
+
+
 def json_lines(output: str) -> list[dict]:
     """The JSON objects a job printed, one per line (torchrun's ``[default0]:`` prefixes removed)."""
     import json
     import re
     found = []
     for line in output.splitlines():
-        line = re.sub(r"^\[[^\]]*\]:", "", line.strip())
+        line = re.sub(r"^(\[[^\]]*\]:?)+", "", line.strip())
         if line.startswith("{") and line.endswith("}"):
             try:
                 found.append(json.loads(line))

@@ -9,8 +9,6 @@ ranks' batches at each step.  Data parallelism is correct when the two end with 
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -131,71 +129,3 @@ def max_difference(a: dict, b: dict) -> float:
     """The largest absolute difference between two state dicts' floating-point tensors."""
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
 
-
-def _step_fn(wrapped, model, opt, strategy):
-    def step(x, y):
-        opt.zero_grad()
-        F.cross_entropy(wrapped(x), y).backward()
-        if strategy == "mini_ddp":
-            wrapped.finish_gradient_synchronization()
-        opt.step()
-    return step
-
-
-def timeline_worker(rank: int, world_size: int, width: int = 512, depth: int = 8, batch: int = 64,
-                    bucket_cap_mb: float = 1.0) -> dict:
-    """One measured MiniDDP step of a deep MLP: when forward and backward ended, when each bucket's
-    all-reduce was launched and finished (seconds from the start of forward)."""
-    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
-    ddp = MiniDDP(model, bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
-    for _ in range(3):                             # warm up; keep the last step's record
-        opt.zero_grad()
-        loss = F.cross_entropy(ddp(x), y)
-        forward_done = time.perf_counter() - ddp._t0
-        loss.backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
-    return {"forward_done": forward_done, "backward_done": ddp.backward_done, "buckets": ddp.timeline,
-            "bucket_sizes": [sum(p.numel() for p in b) * 4 for b in ddp.buckets]}
-
-
-def throughput_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
-                      steps: int = 20, strategy: str = "torch_ddp") -> float:
-    """Samples per second of the whole job (all ranks), training an MLP with ``strategy``."""
-    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
-    wrapped = _wrap(model, TrainConfig(strategy=strategy))
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
-    step = _step_fn(wrapped, model, opt, strategy)
-    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
-    for _ in range(3):
-        step(x, y)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    dist.barrier()
-    return world_size * batch * steps / (time.perf_counter() - t0)
-
-
-def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
-                            rounds: int = 10, steps: int = 5) -> dict:
-    """Median step time of MiniDDP and of torch DDP on the same model, alternating, in one process group."""
-    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
-    steppers = {}
-    for strategy in ("mini_ddp", "torch_ddp"):
-        model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
-        wrapped = _wrap(model, TrainConfig(strategy=strategy))
-        steppers[strategy] = _step_fn(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.01), strategy)
-        for _ in range(3):
-            steppers[strategy](x, y)
-    times: dict[str, list[float]] = {s: [] for s in steppers}
-    for _ in range(rounds):
-        for strategy, step in steppers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(x, y)
-            times[strategy].append((time.perf_counter() - t0) / steps)
-    return {s: statistics.median(t) for s, t in times.items()}

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import checkpoint, ddp_tour, training, viz_dp
+from course_lib import checkpoint, ddp_tour, measure, training, viz_dp
 from course_lib.data import WithExtras, make_dataset, make_mlp
 from course_lib.dataparallel import MiniDDP
 from course_lib.launch import RankError, run
@@ -70,7 +70,7 @@ def test_mini_ddp_rejects_a_bad_bucket_size():
 
 
 def test_timeline_shows_overlap():
-    rec = run(training.timeline_worker, 2, backend="gloo", show_output=False)[0]
+    rec = run(measure.timeline_worker, 2, backend="gloo", show_output=False)[0]
     assert len(rec["buckets"]) == 8
     assert min(b["launched"] for b in rec["buckets"]) < rec["backward_done"]
     assert all(b["finished"] >= b["launched"] for b in rec["buckets"])
@@ -111,8 +111,8 @@ def test_weights_only_load_refuses_arbitrary_objects(tmp_path):
 
 
 def test_throughput_and_wrapper_workers_report_numbers():
-    assert run(training.throughput_worker, 2, 64, 2, 32, 2, backend="gloo", show_output=False)[0] > 0
-    times = run(training.compare_wrappers_worker, 2, 64, 2, 32, 2, 2, backend="gloo", show_output=False)[0]
+    assert run(measure.throughput_worker, 2, 64, 2, 32, 2, backend="gloo", show_output=False)[0] > 0
+    times = run(measure.compare_wrappers_worker, 2, 64, 2, 32, 2, 2, backend="gloo", show_output=False)[0]
     assert set(times) == {"mini_ddp", "torch_ddp"} and all(t > 0 for t in times.values())
 
 

@@ -1,0 +1,129 @@
+"""Measurements of data-parallel training: throughput, step time, when buckets are reduced, and how much
+of a step is communication.  Each function is a worker for ``launch.run``; with NCCL the model and data
+live on the rank's GPU (and ``amp=True`` trains in bf16), with Gloo on the CPU.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import make_mlp
+from .dataparallel import MiniDDP
+from .hardware import device_for_rank
+from .training import TrainConfig, _wrap
+
+
+def _device() -> torch.device:
+    """The rank's GPU under NCCL (chosen by its local rank), the CPU under Gloo."""
+    if dist.get_backend() == "nccl":
+        return device_for_rank(int(os.environ.get("LOCAL_RANK", dist.get_rank())), "nccl")
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # GPUs run asynchronously: wait before reading a clock
+
+
+def _step_fn(wrapped, model, opt, strategy, amp: bool = False):
+    def step(x, y):
+        opt.zero_grad()
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = wrapped(x)
+        F.cross_entropy(logits.float(), y).backward()
+        if strategy == "mini_ddp":
+            wrapped.finish_gradient_synchronization()
+        opt.step()
+    return step
+
+
+def _setup(width, depth, batch, strategy, amp=False):
+    device = _device()
+    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth).to(device)
+    wrapped = _wrap(model, TrainConfig(strategy=strategy))
+    step = _step_fn(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.01), strategy, amp)
+    x, y = torch.randn(batch, width, device=device), torch.randint(10, (batch,), device=device)
+    for _ in range(3):                             # warm-up: allocations, connections, kernels
+        step(x, y)
+    _sync(device)
+    return step, x, y, device
+
+
+def timeline_worker(rank: int, world_size: int, width: int = 512, depth: int = 8, batch: int = 64,
+                    bucket_cap_mb: float = 1.0) -> dict:
+    """One measured MiniDDP step of a deep MLP: when forward and backward ended, when each bucket's
+    all-reduce was launched and finished (seconds from the start of forward)."""
+    model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
+    ddp = MiniDDP(model, bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch, width), torch.randint(10, (batch,))
+    for _ in range(3):                             # warm up; keep the last step's record
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        forward_done = time.perf_counter() - ddp._t0
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+    return {"forward_done": forward_done, "backward_done": ddp.backward_done, "buckets": ddp.timeline,
+            "bucket_sizes": [sum(p.numel() for p in b) * 4 for b in ddp.buckets]}
+
+
+def throughput_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
+                      steps: int = 20, strategy: str = "torch_ddp", amp: bool = False) -> float:
+    """Samples per second of the whole job (all ranks), training an MLP with ``strategy``."""
+    step, x, y, device = _setup(width, depth, batch, strategy, amp)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    _sync(device)
+    dist.barrier()
+    return world_size * batch * steps / (time.perf_counter() - t0)
+
+
+def comm_share_worker(rank: int, world_size: int, width: int = 512, depth: int = 4, batch: int = 256,
+                      steps: int = 3) -> dict:
+    """Profile a few DDP steps (torch.profiler): step time, and time spent in all-reduce.
+
+    Gloo's all-reduce runs on its own CPU thread (events ``gloo:all_reduce``); NCCL's runs as GPU
+    kernels (``nccl...``). Part of it overlaps backward, so the share is an upper bound on what
+    communication costs the step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    step, x, y, device = _setup(width, depth, batch, "torch_ddp")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(x, y)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    comm_us = 0.0
+    for e in prof.key_averages():
+        name = e.key.lower()
+        if device.type == "cuda" and "nccl" in name and "kernel" in name:
+            comm_us += getattr(e, "device_time_total", 0.0)
+        elif device.type == "cpu" and name == "gloo:all_reduce":
+            comm_us += e.cpu_time_total
+    return {"step_s": wall / steps, "comm_s": comm_us / 1e6 / steps, "device": str(device)}
+
+
+def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
+                            rounds: int = 10, steps: int = 5) -> dict:
+    """Median step time of MiniDDP and of torch DDP on the same model, alternating, in one process group."""
+    steppers = {s: _setup(width, depth, batch, s) for s in ("mini_ddp", "torch_ddp")}
+    times: dict[str, list[float]] = {s: [] for s in steppers}
+    for _ in range(rounds):
+        for strategy, (step, x, y, device) in steppers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(x, y)
+            _sync(device)
+            times[strategy].append((time.perf_counter() - t0) / steps)
+    return {s: statistics.median(t) for s, t in times.items()}
