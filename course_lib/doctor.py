@@ -81,6 +81,41 @@ def _gloo_smoke() -> Check:
     return Check("gloo 2-rank all_reduce", OK, "2 ranks agreed on 1 + 2 = 3")
 
 
+def torch_peer_access(i: int, j: int) -> bool:
+    import torch
+    return torch.cuda.can_device_access_peer(i, j)
+
+
+def _peer_access(n: int, can_access) -> Check:
+    """Can every GPU read every other's memory directly (NVLink or PCIe peer-to-peer)?"""
+    missing = [(i, j) for i in range(n) for j in range(n) if i != j and not can_access(i, j)]
+    if not missing:
+        return Check("GPU peer access", OK, f"all {n * (n - 1)} GPU pairs can access each other directly")
+    pairs = ", ".join(f"{i}->{j}" for i, j in missing[:6]) + (" ..." if len(missing) > 6 else "")
+    return Check("GPU peer access", WARN, f"no direct access for {pairs}: NCCL goes through host memory there",
+                 "check `nvidia-smi topo -m`; in VMs and containers peer-to-peer is often disabled")
+
+
+def _nccl_smoke(world_size: int) -> Check:
+    from .launch import run
+
+    def smoke(rank, n):
+        import torch
+        import torch.distributed as dist
+        t = torch.full((1024,), float(rank + 1), device=f"cuda:{rank}")
+        dist.all_reduce(t)
+        return t[0].item()
+    name = f"nccl {world_size}-rank all_reduce"
+    try:
+        out = run(smoke, world_size, backend="nccl", timeout=180, show_output=False)
+    except Exception as e:
+        return Check(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                     "rerun with NCCL_DEBUG=INFO; in Docker use --ipc=host (or --shm-size) and --gpus all")
+    want = float(sum(range(1, world_size + 1)))
+    ok = out == [want] * world_size
+    return Check(name, OK if ok else FAIL, f"{world_size} GPU rank(s) agreed on {want:g}" if ok else f"wrong result {out}")
+
+
 def checks(smoke: bool = True) -> list[Check]:
     """Every check, in the order they are printed."""
     v = hardware.versions()
@@ -94,6 +129,10 @@ def checks(smoke: bool = True) -> list[Check]:
         out.append(Check("GPUs", OK, f"{len(gpu_list)}: " + "; ".join(map(str, gpu_list))))
         out.append(Check("CUDA / NCCL", OK if b["nccl"] else WARN, f"CUDA {v['cuda']}, NCCL {v['nccl']}",
                          "" if b["nccl"] else "this torch has no NCCL: GPU ranks will use Gloo"))
+        if len(gpu_list) > 1:
+            out.append(_peer_access(len(gpu_list), torch_peer_access))
+        if b["nccl"] and smoke:
+            out.append(_nccl_smoke(min(2, len(gpu_list))))
     else:
         out.append(Check("GPUs", INFO, "none: every notebook runs on the CPU, GPU cells fall back and say so"))
     out.append(Check("CPU cores", OK if hardware.cpu_count() >= 2 else WARN, str(hardware.cpu_count()),

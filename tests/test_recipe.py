@@ -1,0 +1,115 @@
+"""The DDP recipe under torchrun: it trains, resumes bit for bit, survives a killed rank, refuses bad launches."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from course_lib.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
+from course_lib.recipes import train_ddp
+
+RECIPE = "course_lib.recipes.train_ddp"
+ARGS = ("--epochs", "3", "--samples", "600", "--hidden", "32")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    out = torchrun(RECIPE, *ARGS, nproc_per_node=2, module=True, echo=False, timeout=300)
+    return json_lines(out.output)[-1]
+
+
+def test_recipe_trains_under_torchrun_with_gloo_on_cpu(uninterrupted):
+    s = uninterrupted
+    assert s["event"] == "done" and s["world_size"] == 2 and s["epochs"] == 3
+    if not torch.cuda.is_available():
+        assert s["backend"] == "gloo" and s["device"] == "cpu" and s["bf16"] is False
+    assert s["losses"][-1] < s["losses"][0] / 2
+
+
+def test_resumed_run_ends_with_the_same_weights(tmp_path, uninterrupted):
+    ckpt = str(tmp_path / "snap.pt")
+    torchrun(RECIPE, "--epochs", "1", *ARGS[2:], "--checkpoint", ckpt, nproc_per_node=2, module=True, echo=False)
+    out = torchrun(RECIPE, *ARGS, "--checkpoint", ckpt, nproc_per_node=2, module=True, echo=False)
+    resumed = json_lines(out.output)[-1]
+    assert "resumed from" in out.output and "after 1 epoch(s)" in out.output
+    assert resumed["weights"] == uninterrupted["weights"] and resumed["losses"] == uninterrupted["losses"]
+    assert sorted(os.listdir(tmp_path)) == ["snap.pt"]
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_identically(tmp_path, uninterrupted):
+    ckpt = str(tmp_path / "snap.pt")
+    out = torchrun(RECIPE, *ARGS, "--checkpoint", ckpt, "--crash-at-epoch", "2", nproc_per_node=2, module=True,
+                   echo=False, torchrun_args=("--max-restarts=1",), timeout=300)
+    assert "killing myself half-way through epoch 2" in out.output and "resumed from" in out.output
+    assert json_lines(out.output)[-1]["weights"] == uninterrupted["weights"]
+
+
+def test_without_restarts_a_killed_rank_fails_the_job(tmp_path):
+    with pytest.raises(CommandError) as info:
+        torchrun(RECIPE, *ARGS, "--crash-at-epoch", "1", nproc_per_node=2, module=True, echo=False, timeout=300)
+    assert "SIGKILL" in info.value.output or "exitcode" in info.value.output
+
+
+def test_two_nodes_over_loopback_equal_one_node_with_two_ranks(uninterrupted):
+    nodes = torchrun_nodes(RECIPE, *ARGS, "--backend", "gloo", nnodes=2, nproc_per_node=1, module=True,
+                           echo=False, timeout=300)
+    summary = json_lines(nodes[0].output)[-1]
+    assert summary["world_size"] == 2
+    if uninterrupted["backend"] == "gloo":
+        assert summary["weights"] == uninterrupted["weights"]
+    assert json_lines(nodes[1].output) == []  # only global rank 0 prints the summary
+
+
+def test_no_launcher_fails_at_once_with_the_command_to_use():
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", RECIPE], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 60
+    assert "must be started by a launcher" in out.stderr and "torch.distributed.run" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_nccl_without_gpus_fails_with_the_fix():
+    with pytest.raises(CommandError) as info:
+        run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", RECIPE,
+                     "--backend", "nccl"], echo=False, timeout=120)
+    assert "needs CUDA GPUs and this machine has none: use --backend gloo" in info.value.output
+
+
+def test_choose_backend_rules():
+    assert train_ddp.choose_backend(None, 2, 0, False) == "gloo"
+    assert train_ddp.choose_backend(None, 2, 2, True) == "nccl"
+    assert train_ddp.choose_backend(None, 3, 2, True) == "gloo"
+    assert train_ddp.choose_backend("gloo", 8, 8, True) == "gloo"
+    with pytest.raises(SystemExit, match="3 ranks on this node but 2 GPU"):
+        train_ddp.choose_backend("nccl", 3, 2, True)
+    with pytest.raises(SystemExit, match="has no NCCL"):
+        train_ddp.choose_backend("nccl", 1, 1, False)
+
+
+def test_launch_env_names_what_is_missing():
+    with pytest.raises(SystemExit, match="LOCAL_RANK not set"):
+        train_ddp.launch_env({"RANK": "0", "WORLD_SIZE": "1"})
+    assert train_ddp.launch_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == \
+        {"RANK": 3, "LOCAL_RANK": 1, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2}
+
+
+def test_slurm_template_parses():
+    path = os.path.join(os.path.dirname(train_ddp.__file__), "slurm_ddp.sbatch")
+    run_command(["bash", "-n", path], echo=False)
+    text = open(path).read()
+    assert "--rdzv-backend=c10d" in text and "-m course_lib.recipes.train_ddp" in text
+
+
+def test_json_lines_strips_launcher_prefixes():
+    out = '[node 0][default0]:{"a": 1}\nnoise\n[default1]:{"b": 2}\n{"c": 3}\n'
+    assert json_lines(out) == [{"a": 1}, {"b": 2}, {"c": 3}]
+
+
+@pytest.mark.gpu
+def test_recipe_with_nccl_and_bf16_on_gpu():
+    out = torchrun(RECIPE, *ARGS, nproc_per_node=1, module=True, echo=False, timeout=300)
+    s = json_lines(out.output)[-1]
+    assert s["backend"] == "nccl" and s["device"] == "cuda" and s["bf16"] is True
+    assert s["losses"][-1] < s["losses"][0] / 2
