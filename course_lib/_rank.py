@@ -85,6 +85,8 @@ def main(spec_bytes: bytes, conn, lifeline) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(spec["threads"])
+        # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again
+        dist.set_debug_level_from_env()
         if spec["init"]:
             _init_process_group(spec)
         fn, args = cloudpickle.loads(spec["payload"])

@@ -67,7 +67,7 @@ class RankError(LaunchError):
         self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
         self.remote_traceback = remote_traceback
         hint = ""
-        if any(s in exc_message for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
+        if any(s in exc_message for s in PEER_GONE):
             hint = ("\nHint: another rank exited or crashed while this one waited for it in a collective or a "
                     "send/recv. Every rank must call the same collectives, in the same order.")
         super().__init__(f"rank {rank} of {world_size} raised {exc_type}: {exc_message}{hint}\n\n"
@@ -285,41 +285,56 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
     return [results[r] for r in range(world_size)]
 
 
-def _collect(procs, conns, world_size, timeout, fn):
-    """Wait for every rank's message; stop at the first failure or at the deadline."""
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _collect(procs, conns, world_size, timeout, fn, grace: float = 1.0):
+    """Wait for every rank's message; stop at the deadline, or shortly after the first failure.
+
+    One failure usually causes others: a rank that raises exits, and its peers then fail with
+    "Connection closed by peer". So after the first failure the other ranks get ``grace`` seconds to
+    report, and the error raised is the root cause: the first failure that is not a lost peer.
+    """
     deadline = time.monotonic() + timeout
-    results, pending = {}, set(range(world_size))
-    failure = None
-    while pending and failure is None:
+    results, pending, failures = {}, set(range(world_size)), []
+    while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            if failures:
+                break
             _dump_stacks([procs[r] for r in sorted(pending)])
             return results, RunTimeoutError(timeout, sorted(pending), world_size)
         waitables = {conns[r]: r for r in pending}
         waitables.update({procs[r].sentinel: r for r in pending})
         ready = wait(list(waitables), timeout=remaining)
         for rank in sorted({waitables[obj] for obj in ready}):
-            if rank not in pending:
-                continue
             message = None
             if conns[rank].poll():
                 try:
                     message = cloudpickle.loads(conns[rank].recv_bytes())
                 except EOFError:
                     message = None
+            pending.discard(rank)
             if message is None:
                 if procs[rank].is_alive():
                     procs[rank].join(timeout=1)
-                failure = RankDiedError(rank, world_size, procs[rank].exitcode)
-                break
-            if message[0] == "ok":
+                failures.append(RankDiedError(rank, world_size, procs[rank].exitcode))
+            elif message[0] == "ok":
                 results[rank] = message[1]
-                pending.discard(rank)
             else:
                 _, exc_type, exc_message, frames, text = message
-                failure = RankError(rank, world_size, exc_type, exc_message, _remote_traceback(frames, text, fn))
-                break
-    return results, failure
+                failures.append(RankError(rank, world_size, exc_type, exc_message,
+                                          _remote_traceback(frames, text, fn)))
+        if failures and len(failures) == 1 and not ready == []:
+            deadline = min(deadline, time.monotonic() + grace)  # let the others report, briefly
+    if not failures:
+        return results, None
+    primary = next((f for f in failures if not any(p in str(f) for p in PEER_GONE)), failures[0])
+    others = [f for f in failures if f is not primary]
+    if others:
+        primary.args = (primary.args[0] + "\n\nThen, as a consequence: " +
+                        "; ".join(str(f).splitlines()[0] for f in others),)
+    return results, primary
 
 
 def _dump_stacks(procs, settle: float = 0.5) -> None:

@@ -285,3 +285,22 @@ def test_nccl_one_rank_per_gpu():
     n = hardware.gpu_count()
     out = run(on_gpu, n, show_output=False)
     assert out == [("nccl", 4.0 * n * (n + 1) / 2)] * n
+
+
+def test_debug_detail_set_per_run_names_the_mismatch(no_leftovers):
+    """TORCH_DISTRIBUTED_DEBUG is honoured although the forkserver imported torch before it was set."""
+    def mismatched(rank, world_size):
+        dist.all_reduce(torch.ones(2 + rank))  # rank 0: 2 elements, rank 1: 3
+    with pytest.raises(RankError, match="Detected mismatch between collectives"):
+        run(mismatched, 2, backend="gloo", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=30, show_output=False)
+
+
+def test_the_root_cause_is_reported_not_the_peers_that_lost_it(no_leftovers):
+    def one_fails(rank, world_size):
+        if rank == 2:
+            time.sleep(0.2)
+            raise KeyError("the real problem")
+        dist.all_reduce(torch.ones(1))  # ranks 0 and 1 then lose their peer
+    with pytest.raises(RankError) as info:
+        run(one_fails, 3, backend="gloo", timeout=30, show_output=False)
+    assert info.value.rank == 2 and "the real problem" in str(info.value)
