@@ -8,6 +8,7 @@ one, never half of one.
 """
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 
@@ -27,6 +28,7 @@ def save_atomic(obj, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())           # the bytes are on disk before the name points at them
         os.replace(tmp, path)              # atomic: the old file or the new one, never a mix
+        _remove_stale(directory, os.path.basename(path))
     except BaseException:
         try:
             os.unlink(tmp)
@@ -41,6 +43,15 @@ def save_atomic(obj, path: str | os.PathLike) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def _remove_stale(directory: str, name: str) -> None:
+    """Temporary files left by earlier writers that were killed mid-save (one writer per path)."""
+    for leftover in glob.glob(os.path.join(glob.escape(directory), glob.escape(".tmp-" + name + "-") + "*")):
+        try:
+            os.unlink(leftover)
+        except FileNotFoundError:
+            pass
 
 
 def load(path: str | os.PathLike, map_location=None):

@@ -53,7 +53,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("06_pipeline_schedules.ipynb", "Pipeline schedules",
              "stages as processes; GPipe and 1F1B; the bubble, measured", 0, "full"),
     Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
-             "hangs made errors; a killed rank; resuming; atomic checkpoints", 0, "full"),
+             "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
 ]
 
 

@@ -1,0 +1,188 @@
+"""Things going wrong on purpose: hangs turned into errors, killed writers, and the classic pitfalls.
+
+Every function here is a worker for ``launch.run`` (or a small harness around a subprocess), so the
+notebook can break things and the tests can check that each break ends as a clear error, in time, with
+no process left behind.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+
+
+def announce() -> None:
+    """Each demo starts by printing its pid, so a caller can check afterwards that the process is gone."""
+    print(f"pid {os.getpid()}", flush=True)
+
+
+def pids_in(outputs: list[str]) -> list[int]:
+    return [int(m) for text in outputs for m in re.findall(r"^pid (\d+)$", text, re.M)]
+
+
+def all_gone(pids: list[int], within: float = 10.0) -> bool:
+    """True when none of ``pids`` is running any more (waiting up to ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- hangs --------------------------------------------------------------------------------------------
+
+def only_rank_0_reduces(rank, world_size, pg_timeout: float = 3.0):
+    """The classic bug: ``if rank == 0: dist.all_reduce(t)``. The process-group timeout turns it into an error."""
+    announce()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout))
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))     # waits for partners that never come...
+    else:
+        time.sleep(60)                     # ...because they are busy elsewhere (or at another collective)
+
+
+def one_rank_never_arrives(rank, world_size, barrier_timeout: float = 2.0):
+    """A rank that never reaches the barrier: ``monitored_barrier`` names it (Gloo only)."""
+    announce()
+    if rank == world_size - 1:
+        time.sleep(60)                     # stuck in data loading, say
+    dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout), wait_all_ranks=True)
+
+
+def mismatched_shapes(rank, world_size):
+    """Ranks all-reduce tensors of different shapes. With TORCH_DISTRIBUTED_DEBUG=DETAIL, torch says so."""
+    announce()
+    dist.all_reduce(torch.ones(2 + rank))
+
+
+def silent_hang(rank, world_size):
+    """Rank 0 waits in an all-reduce; rank 1 sleeps. Only the launcher's own timeout ends this one."""
+    announce()
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(600)
+
+
+# ---- checkpoints under SIGKILL ----------------------------------------------------------------------------
+
+WRITER = r"""
+import sys, torch
+from course_lib import checkpoint
+path, mode, mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
+weights = torch.zeros(mib * 2**18)                       # mib MiB of float32
+step = 0
+while True:
+    step += 1
+    snapshot = {"step": step, "weights": weights + step}
+    print(f"saving {step}", flush=True)                   # the write starts now
+    if mode == "atomic":
+        checkpoint.save_atomic(snapshot, path)
+    else:
+        torch.save(snapshot, path)                       # in place: truncates the file, then writes
+"""
+
+
+def kill_during_saves(path: str, atomic: bool, kills: int = 5, mib: int = 64, seed: int = 0) -> list[dict]:
+    """Start a process that saves checkpoints back to back, SIGKILL it during a save, try to load the file.
+
+    Each kill comes a random 0-5 ms after the writer announced its second (or a later) save, so there is
+    always an earlier complete checkpoint to lose. Returns, per kill, whether the file loaded and its step.
+    """
+    rng = random.Random(seed)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    results = []
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, path, "atomic" if atomic else "inplace", str(mib)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            target = 2 + rng.randrange(3)
+            for line in proc.stdout:
+                if line.strip() == f"saving {target}":
+                    break
+            else:
+                raise RuntimeError(f"the checkpoint writer stopped by itself: {proc.stderr.read()[-500:]}")
+            time.sleep(rng.uniform(0, 0.005))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        try:
+            step = checkpoint.load(path)["step"]
+            results.append({"loadable": True, "step": step, "killed_while_saving": target})
+        except Exception as e:
+            results.append({"loadable": False, "error": f"{type(e).__name__}: {str(e)[:80]}",
+                            "killed_while_saving": target})
+    return results
+
+
+class RunsCodeWhenLoaded:
+    """A pickle that executes a call when loaded (here a harmless print): what weights_only=True refuses."""
+
+    def __reduce__(self):
+        return (print, ("this ran while the checkpoint was being loaded",))
+
+
+# ---- pitfalls ------------------------------------------------------------------------------------------------
+
+def seeds_worker(rank, world_size):
+    """Same seed everywhere vs. seed + rank: for augmentation noise and for model initialisation."""
+    from .data import make_mlp
+    torch.manual_seed(0)
+    noise_same = torch.rand(3)
+    torch.manual_seed(0 + rank)
+    noise_per_rank = torch.rand(3)
+    init_same = make_mlp(seed=0)[0].weight.sum().item()
+    init_per_rank = make_mlp(seed=rank)[0].weight.sum().item()
+    return {"noise_same": noise_same.tolist(), "noise_per_rank": noise_per_rank.tolist(),
+            "init_same": init_same, "init_per_rank": init_per_rank}
+
+
+def loss_logging_worker(rank, world_size):
+    """Each rank's loss on its own shard, and the mean over ranks (what should be logged)."""
+    import torch.nn.functional as F
+    from .data import make_dataset, make_mlp
+    x, y = make_dataset(64 * world_size, seed=9).tensors
+    local = F.cross_entropy(make_mlp(seed=0)(x[rank::world_size]), y[rank::world_size]).detach()
+    mean = local.clone()
+    dist.all_reduce(mean)
+    return {"local": local.item(), "mean": mean.item() / world_size}
+
+
+def port_in_use_worker(rank, world_size, busy_port: int):
+    """Rendezvous on a hard-coded port that another program already holds."""
+    announce()
+    os.environ["MASTER_PORT"] = str(busy_port)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=10))
+
+
+def matmul_worker(rank, world_size, n: int = 384, reps: int = 60) -> float:
+    """Seconds for ``reps`` n-by-n matrix products with this rank's thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(5):
+        a @ b
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return time.perf_counter() - t0

@@ -1,0 +1,13 @@
+"""Print what the launcher told this worker, as JSON: ``python -m torch.distributed.run ... -m course_lib.recipes.whoami``.
+
+Shows the difference between the global ``RANK`` and the ``LOCAL_RANK`` (the index on this node), and which
+GPU each would name: the seed program's ``set_device(get_rank())`` bug, in numbers.
+"""
+import json
+import os
+
+if __name__ == "__main__":
+    env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env["device_by_global_rank"] = f"cuda:{env['RANK']}"
+    env["device_by_local_rank"] = f"cuda:{env['LOCAL_RANK']}"
+    print(json.dumps(env), flush=True)

@@ -1,0 +1,86 @@
+"""Broken on purpose: every hang ends as a clear error in time, with no process left; kills never corrupt
+an atomic checkpoint; the pitfall demos show what they claim."""
+import socket
+import time
+
+import pytest
+
+from course_lib import checkpoint, faults
+from course_lib.launch import RankError, RunTimeoutError, run
+
+
+def ends_with(error, fn, world_size, within, **kwargs):
+    start = time.monotonic()
+    with pytest.raises(error) as info:
+        run(fn, world_size, backend="gloo", show_output=False, **kwargs)
+    assert time.monotonic() - start < within
+    assert faults.all_gone(faults.pids_in(info.value.outputs))
+    assert len(faults.pids_in(info.value.outputs)) == world_size  # every rank announced itself
+    return info.value
+
+
+def test_partial_collective_times_out_with_the_process_group_timeout(no_leftovers):
+    e = ends_with(RankError, faults.only_rank_0_reduces, 2, within=3 + 6, init=False, timeout=60)
+    assert e.rank == 0 and "Timed out" in str(e)
+
+
+def test_monitored_barrier_names_the_missing_rank(no_leftovers):
+    e = ends_with(RankError, faults.one_rank_never_arrives, 3, within=2 + 6, timeout=60)
+    assert "Ranks 2 failed to pass monitoredBarrier" in str(e)
+
+
+def test_debug_detail_names_the_mismatch_and_plain_mode_still_fails(no_leftovers):
+    ends_with(RankError, faults.mismatched_shapes, 2, within=15, timeout=60)
+    e = ends_with(RankError, faults.mismatched_shapes, 2, within=15, timeout=60,
+                  env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert "Detected mismatch between collectives" in str(e) and "TensorShape=[3]" in str(e)
+
+
+def test_launcher_timeout_shows_each_ranks_stack(no_leftovers):
+    e = ends_with(RunTimeoutError, faults.silent_hang, 2, within=3 + 6, timeout=3)
+    assert "all_reduce" in e.outputs[0] and "silent_hang" in e.outputs[1]
+
+
+def test_port_in_use_fails_fast_and_says_so(no_leftovers):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        e = ends_with(RankError, lambda r, w: faults.port_in_use_worker(r, w, port), 2, within=25, init=False,
+                      timeout=60)
+    assert e.rank == 0 and "address already in use" in str(e).lower()
+
+
+def test_kills_during_saves_never_corrupt_an_atomic_checkpoint(tmp_path):
+    path = tmp_path / "atomic.pt"
+    results = faults.kill_during_saves(str(path), atomic=True, kills=12, mib=32, seed=7)
+    assert all(r["loadable"] and r["step"] == r["killed_while_saving"] - 1 for r in results), results
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "atomic.pt"]
+    assert len(leftovers) <= 1                      # at most the last killed writer's temporary file...
+    checkpoint.save_atomic({"step": 99}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["atomic.pt"]  # ...which the next save removes
+
+
+def test_kills_during_in_place_saves_do_corrupt(tmp_path):
+    results = faults.kill_during_saves(str(tmp_path / "in_place.pt"), atomic=False, kills=3, mib=32, seed=3)
+    assert not any(r["loadable"] for r in results), results
+
+
+def test_weights_only_refuses_a_pickle_that_runs_code(tmp_path, capsys):
+    import torch
+    path = tmp_path / "x.pt"
+    torch.save({"x": faults.RunsCodeWhenLoaded()}, path)
+    with pytest.raises(Exception, match="[Ww]eights only load failed"):
+        checkpoint.load(path)
+    assert "this ran" not in capsys.readouterr().out
+
+
+def test_pitfall_demos_show_what_they_claim():
+    seeds = run(faults.seeds_worker, 3, backend="gloo", show_output=False)
+    distinct = lambda key: len({str(s[key]) for s in seeds})  # noqa: E731
+    assert distinct("noise_same") == 1 and distinct("noise_per_rank") == 3
+    assert distinct("init_same") == 1 and distinct("init_per_rank") == 3
+    losses = run(faults.loss_logging_worker, 4, backend="gloo", show_output=False)
+    mean = sum(l["local"] for l in losses) / 4
+    assert all(abs(l["mean"] - mean) < 1e-6 for l in losses) and len({l["local"] for l in losses}) == 4
+    assert all(t > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo", show_output=False))
