@@ -50,11 +50,14 @@ def all_gone(pids: list[int], within: float = 10.0) -> bool:
 # ---- hangs --------------------------------------------------------------------------------------------
 
 def only_rank_0_reduces(rank, world_size, pg_timeout: float = 3.0):
-    """The classic bug: ``if rank == 0: dist.all_reduce(t)``. The process-group timeout turns it into an error."""
+    """The classic bug: ``if rank == 0: dist.all_reduce(t)``. A process-group timeout turns it into an error.
+
+    ``init_process_group(timeout=...)`` sets it for the default group, but also bounds the rendezvous
+    (a slow-starting rank would trip it); a group of our own, from ``new_group``, carries just this one."""
     announce()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout))
+    group = dist.new_group(timeout=timedelta(seconds=pg_timeout))
     if rank == 0:
-        dist.all_reduce(torch.ones(1))     # waits for partners that never come...
+        dist.all_reduce(torch.ones(1), group=group)     # waits for partners that never come...
     else:
         time.sleep(60)                     # ...because they are busy elsewhere (or at another collective)
 

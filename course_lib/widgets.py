@@ -75,3 +75,36 @@ class RingStepper:
 
     def _ipython_display_(self):
         display(self.widget)
+
+
+class MemoryCalculator:
+    """Model size, precision, optimizer and device memory in; does it fit, and what takes the space, out."""
+
+    def __init__(self, billions: float = 7.0, dtype: str = "bf16", optimizer: str = "adam", device_gib: float = 80.0):
+        from . import memory
+        self._memory = memory
+        self.billions = W.FloatLogSlider(value=billions, base=10, min=-3, max=3, step=0.05,
+                                         description="params (B)")
+        self.dtype = W.Dropdown(options=list(memory.DTYPE_BYTES), value=dtype, description="precision")
+        self.optimizer = W.Dropdown(options=list(memory.OPTIMIZER_STATES), value=optimizer, description="optimizer")
+        self.device_gib = W.FloatText(value=device_gib, description="device GiB")
+        self.out = W.HTML()
+        self.state: dict = {}
+        controls = (self.billions, self.dtype, self.optimizer, self.device_gib)
+        self.widget = W.VBox([W.HBox(list(controls[:2])), W.HBox(list(controls[2:])), self.out])
+        for c in controls:
+            c.observe(self._update, names="value")
+        self._update()
+
+    def _update(self, *_):
+        m = self._memory
+        parts = m.training_memory(int(self.billions.value * 1e9), self.dtype.value, self.optimizer.value)
+        ok = m.fits(parts, self.device_gib.value)
+        self.state = {"breakdown": parts, "fits": ok}
+        rows = "".join(f"<tr><td>{k}</td><td>{m.human(v)}</td></tr>" for k, v in parts.items() if v)
+        verdict = "fits" if ok else "does NOT fit"
+        self.out.value = (f"<table>{rows}</table><b>{verdict}</b> in {self.device_gib.value:g} GiB "
+                          "(90% usable; activations not included)")
+
+    def _ipython_display_(self):
+        display(self.widget)

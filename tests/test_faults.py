@@ -20,7 +20,7 @@ def ends_with(error, fn, world_size, within, **kwargs):
 
 
 def test_partial_collective_times_out_with_the_process_group_timeout(no_leftovers):
-    e = ends_with(RankError, faults.only_rank_0_reduces, 2, within=3 + 6, init=False, timeout=60)
+    e = ends_with(RankError, faults.only_rank_0_reduces, 2, within=3 + 6, timeout=60)
     assert e.rank == 0 and "Timed out" in str(e)
 
 

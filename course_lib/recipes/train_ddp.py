@@ -98,11 +98,12 @@ def _store_for_this_attempt(env: dict, timeout: timedelta):
     """Under torchrun the agent hosts the rendezvous store, and it outlives a failed attempt. Restarted
     workers have been seen reading the dead workers' addresses from it ("Connection refused" at
     init, pytorch issue 167288): give every attempt its own key space. ``None`` outside torchrun."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None                                        # a first attempt: plain env:// is right
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["WORLD_SIZE"],
                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"course/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    return dist.PrefixStore(f"course/attempt_{attempt}", base)
 
 
 def setup(args) -> Context:

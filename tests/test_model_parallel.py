@@ -1,0 +1,102 @@
+"""Split and pipelined models equal the unsplit model; bad splits are refused; memory arithmetic is exact."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course_lib import memory
+from course_lib.modelparallel import PipelinedSplit, same_outputs_and_grads, split_model
+from course_lib.widgets import MemoryCalculator
+
+
+def deep_mlp(layers=6, width=16, seed=0):
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers // 2):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+@pytest.mark.parametrize("points", [[1], [2], [4], [5], [2, 4], [1, 3, 5]])
+def test_split_model_equals_the_unsplit_model(points, capsys):
+    model = deep_mlp()
+    x, y = torch.randn(10, 16), torch.randn(10, 16)
+    split = split_model(copy.deepcopy(model), points, devices=["cpu"] * (len(points) + 1))
+    assert same_outputs_and_grads(model, split, x, y)
+
+
+@pytest.mark.parametrize("micro_batches, batch", [(1, 8), (2, 8), (3, 10), (4, 7), (7, 7)])
+def test_pipelined_split_equals_the_unsplit_model(micro_batches, batch):
+    model = deep_mlp()
+    x, y = torch.randn(batch, 16), torch.randn(batch, 16)
+    piped = PipelinedSplit(split_model(copy.deepcopy(model), [2, 4], devices=["cpu"] * 3), micro_batches)
+    assert same_outputs_and_grads(model, piped, x, y)
+
+
+def test_missing_devices_are_mapped_and_said(capsys):
+    split = split_model(deep_mlp(), [3])          # asks for cuda:0 and cuda:1
+    out = capsys.readouterr().out
+    if torch.cuda.device_count() >= 2:
+        assert split.devices == [torch.device("cuda", 0), torch.device("cuda", 1)] and out == ""
+    elif torch.cuda.is_available():
+        assert split.devices == [torch.device("cuda", 0)] * 2 and "cuda:1 -> cuda:0" in out
+    else:
+        assert split.devices == [torch.device("cpu")] * 2 and "cuda:0 -> cpu" in out and "cuda:1 -> cpu" in out
+
+
+@pytest.mark.parametrize("points, devices, message", [
+    ([0], None, "between 1 and 5"), ([6], None, "between 1 and 5"), ([3, 2], None, "strictly increasing"),
+    ([1, 2, 3, 4, 5, 6], None, "7 parts asked for"), ([3], ["cpu"], "2 parts need 2 devices"),
+    ([3], ["cpu", "gpu:1"], "is not a device")])
+def test_bad_splits_are_refused_with_a_clear_error(points, devices, message):
+    with pytest.raises(ValueError, match=message):
+        split_model(deep_mlp(), points, devices)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        split_model(nn.Linear(2, 2), [1])
+    with pytest.raises(ValueError, match="at least 1"):
+        PipelinedSplit(split_model(deep_mlp(), [3], ["cpu", "cpu"]), 0)
+
+
+def test_timeline_records_every_part_and_micro_batch():
+    piped = PipelinedSplit(split_model(deep_mlp(), [2, 4], ["cpu"] * 3), 4)
+    piped(torch.randn(8, 16), record=True)
+    assert sorted((k, i) for k, i, _, _ in piped.split.timeline) == [(k, i) for k in range(3) for i in range(4)]
+    assert all(end >= start for _, _, start, end in piped.split.timeline)
+
+
+@pytest.mark.parametrize("opt, ctor, states", [("sgd", lambda p: torch.optim.SGD(p, lr=0.1), 0),
+                                               ("momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+                                               ("adam", lambda p: torch.optim.Adam(p), 2)])
+def test_calculator_equals_measured_bytes_on_cpu(opt, ctor, states):
+    model = deep_mlp(layers=8, width=64)
+    optimizer = ctor(model.parameters())
+    nn.functional.mse_loss(model(torch.randn(4, 64)), torch.randn(4, 64)).backward()
+    optimizer.step()
+    params = sum(p.numel() for p in model.parameters())
+    predicted = memory.training_memory(params, "fp32", opt)
+    measured = memory.measured_state_bytes(model, optimizer)
+    for part in ("weights", "gradients", "optimizer states"):
+        assert predicted[part] == measured[part], part
+    assert predicted["total"] == params * (8 + 4 * states)
+
+
+def test_calculator_rules_and_errors():
+    seven = memory.training_memory(7_000_000_000, "bf16", "adam")
+    assert seven["total"] == 7e9 * (2 + 2 + 8 + 4)            # 16 bytes per parameter
+    assert not memory.fits(seven, 80) and memory.fits(memory.training_memory(1_000_000_000, "bf16", "adam"), 80)
+    assert memory.mlp_activation_bytes(2, [3, 5, 7]) == 2 * (3 + 2 * 5 + 7) * 4
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        memory.training_memory(1, "fp8")
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        memory.training_memory(1, optimizer="lion")
+    assert memory.human(3 * 2**30) == "3.0 GiB"
+
+
+def test_memory_widget_driven_in_code():
+    calc = MemoryCalculator(billions=7, dtype="bf16", optimizer="adam", device_gib=80)
+    assert calc.state["fits"] is False
+    calc.billions.value = 1
+    assert calc.state["fits"] is True and "fits" in calc.out.value
+    calc.optimizer.value = "sgd"
+    assert calc.state["breakdown"]["optimizer states"] == 0
