@@ -126,7 +126,8 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     Rank s holds stage s. Stage 0 reads the input, the last stage computes the loss (mean squared error
     over the whole batch: each micro-batch's loss is weighted by its share of the batch, so uneven
     micro-batches are right too). Returns the stage's gradients, what it held at most, and when each op
-    ran (seconds since a common start).
+    ran (seconds since the moment the first rank started: ``perf_counter`` is one clock for all the
+    processes of a machine, so the ranks' timelines line up).
     """
     torch.set_flush_denormal(True)  # tiny gradients as denormal floats make CPU arithmetic 10-100x slower
     stage = make_stage(rank, width, layers_per_stage)
@@ -134,21 +135,28 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     xs, ys = x.tensor_split(micro_batches), y.tensor_split(micro_batches)
     first, last = rank == 0, rank == world_size - 1
     for size in sorted({len(b) for b in xs}):   # warm up: the first backward of a shape is slow (kernel set-up)
-        stage(torch.randn(size, width, requires_grad=not first)).sum().backward()
+        out = stage(torch.randn(size, width, requires_grad=True))
+        out.backward(torch.randn_like(out))
     stage.zero_grad(set_to_none=True)
     inputs, outputs, sends = {}, {}, []
     held = peak = 0
     timeline = []
     dist.barrier()
     t0 = time.perf_counter()
+    # Post every receive at once: each message then lands while this stage is busy with something else,
+    # instead of after it asks (messages between two ranks arrive in the order they were sent).
+    acts = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not first else {}
+    grads = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not last else {}
+    pending = {("F", i): dist.irecv(acts[i], src=rank - 1) for i in range(micro_batches)} if not first else {}
+    order_b = [i for op, i in schedule(kind, world_size, micro_batches)[rank] if op == "B"]
+    pending.update({("B", i): dist.irecv(grads[i], src=rank + 1) for i in order_b} if not last else {})
     for op, i in schedule(kind, world_size, micro_batches)[rank]:
         if op == "F":
-            if first:
-                inp = xs[i]
+            if first:   # its input gets a gradient too, only so that every stage does equal work (the
+                inp = xs[i].clone().requires_grad_()   # bubble formula assumes equal stages)
             else:
-                inp = torch.empty(len(xs[i]), width)
-                dist.recv(inp, src=rank - 1)
-                inp.requires_grad_()
+                pending.pop(("F", i)).wait()
+                inp = acts.pop(i).requires_grad_()
             start = time.perf_counter() - t0
             out = stage(inp)
             timeline.append(("F", i, start, time.perf_counter() - t0))
@@ -159,15 +167,13 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
                 sends.append(dist.isend(out.detach(), dst=rank + 1))
         else:
             if last:
-                grad = None
                 start = time.perf_counter() - t0
                 loss = F.mse_loss(outputs[i], ys[i]) * len(ys[i]) / batch
                 loss.backward()
             else:
-                grad = torch.empty(len(xs[i]), width)
-                dist.recv(grad, src=rank + 1)
+                pending.pop(("B", i)).wait()
                 start = time.perf_counter() - t0
-                outputs[i].backward(grad)
+                outputs[i].backward(grads.pop(i))
             timeline.append(("B", i, start, time.perf_counter() - t0))
             if not first:
                 sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
@@ -176,6 +182,10 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     for s in sends:
         s.wait()
     total = time.perf_counter() - t0
+    start = torch.tensor([t0], dtype=torch.float64)
+    dist.all_reduce(start, op=dist.ReduceOp.MIN)          # the earliest rank's start: a common origin
+    shift = t0 - start.item()
+    timeline = [(op, i, a + shift, b + shift) for op, i, a, b in timeline]
     return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
             "timeline": timeline, "total": total}
 

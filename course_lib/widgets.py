@@ -108,3 +108,36 @@ class MemoryCalculator:
 
     def _ipython_display_(self):
         display(self.widget)
+
+
+class ScheduleExplorer:
+    """Pick a schedule, a number of stages and of micro-batches; see who works when, and the bubble."""
+
+    def __init__(self, kind: str = "gpipe", stages: int = 4, micro_batches: int = 8):
+        from . import pipeline
+        self._pipeline = pipeline
+        self.kind = W.Dropdown(options=list(pipeline.KINDS), value=kind, description="schedule")
+        self.stages = W.IntSlider(value=stages, min=1, max=8, description="stages")
+        self.micro_batches = W.IntSlider(value=micro_batches, min=1, max=16, description="micro-batches")
+        self.out = W.Output()
+        self.state: dict = {}
+        self.widget = W.VBox([W.HBox([self.kind, self.stages, self.micro_batches]), self.out])
+        for c in (self.kind, self.stages, self.micro_batches):
+            c.observe(self._redraw, names="value")
+        self._redraw()
+
+    def _redraw(self, *_):
+        p = self._pipeline
+        k, s, m = self.kind.value, self.stages.value, self.micro_batches.value
+        sim = p.simulate(k, s, m)
+        self.state = {**sim, "formula": p.bubble_formula(s, m), "peak_in_flight": p.peak_in_flight(k, s, m)}
+        with self.out:
+            self.out.clear_output(wait=True)
+            fig = viz.draw_pipeline(sim["times"], f"{k}: {s} stages, {m} micro-batches, bubble {sim['bubble']:.0%} "
+                                    f"(formula {self.state['formula']:.0%}); activations held at most "
+                                    f"{self.state['peak_in_flight']}", unit="time (forward = 1, backward = 2)")
+            display(fig)
+            plt.close(fig)
+
+    def _ipython_display_(self):
+        display(self.widget)

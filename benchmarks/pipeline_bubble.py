@@ -1,0 +1,49 @@
+"""Pipeline bubble measured against (p-1)/(m+p-1), and the speed-up of micro-batching, side by side.
+
+Goal (issue 6): with 2 stages as 2 processes on a 2-core CPU machine, the measured bubble is within 0.05
+of the formula for m = 1, 2, 4, 8, and m = 8 is at least 1.5x faster than m = 1.  Each (schedule, m) is run
+``--repeats`` times, interleaved, and the median kept.
+
+    python benchmarks/pipeline_bubble.py [--repeats 3] [--batch 4096] [--width 512] [--layers 8]
+"""
+import argparse
+import statistics
+
+from course_lib import hardware
+from course_lib import pipeline as P
+from course_lib.launch import run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8, help="per stage")
+    a = p.parse_args()
+    print(hardware.summary().splitlines()[0])
+    ms = (1, 2, 4, 8)
+    bubble = {(k, m): [] for k in P.KINDS for m in ms}
+    wall = {(k, m): [] for k in P.KINDS for m in ms}
+    for _ in range(a.repeats):
+        for k in P.KINDS:
+            for m in ms:
+                res = run(P.pipeline_worker, 2, k, m, a.batch, a.width, a.layers, backend="gloo", threads=1,
+                          show_output=False, timeout=600)
+                bubble[k, m].append(P.measured_bubble(res))
+                wall[k, m].append(max(r["total"] for r in res))
+    print(f"2 stages x {a.layers} layers of {a.width}, batch {a.batch}, 1 thread per stage, median of {a.repeats}")
+    ok = True
+    for k in P.KINDS:
+        for m in ms:
+            b, f = statistics.median(bubble[k, m]), P.bubble_formula(2, m)
+            ok &= abs(b - f) <= 0.05
+            print(f"  {k:5} m={m}: bubble {b:.3f}  formula {f:.3f}  |diff| {abs(b - f):.3f}  step {statistics.median(wall[k, m]):.3f} s")
+        speed = statistics.median(wall[k, 1]) / statistics.median(wall[k, 8])
+        ok &= speed >= 1.5
+        print(f"  {k:5} m=8 is {speed:.2f}x faster than m=1")
+    print(f"goals (|bubble - formula| <= 0.05 for every m; m=8 >= 1.5x m=1): {'met' if ok else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

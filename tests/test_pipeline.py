@@ -1,0 +1,63 @@
+"""Pipeline schedules: the pure schedule/simulation, and the real multi-process pipeline against the unsplit model."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import pipeline as P
+from course_lib import viz
+from course_lib.launch import run
+from course_lib.widgets import ScheduleExplorer
+
+
+@pytest.mark.parametrize("kind", P.KINDS)
+@pytest.mark.parametrize("stages, micro_batches", [(1, 1), (2, 1), (2, 4), (3, 5), (4, 8), (4, 2)])
+def test_schedules_are_complete_and_the_simulated_bubble_is_the_formula(kind, stages, micro_batches):
+    plan = P.schedule(kind, stages, micro_batches)
+    for ops in plan:
+        assert sorted(ops) == sorted([("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)])
+        assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(micro_batches))
+    sim = P.simulate(kind, stages, micro_batches)
+    assert sim["bubble"] == pytest.approx(P.bubble_formula(stages, micro_batches))
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    assert P.peak_in_flight("gpipe", 4, 8) == [8, 8, 8, 8]
+    assert P.peak_in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert P.schedule("1f1b", 2, 3)[0] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+
+
+def test_bad_schedules_are_refused():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        P.schedule("interleaved", 2, 2)
+    with pytest.raises(ValueError, match="at least one stage"):
+        P.schedule("gpipe", 0, 2)
+
+
+@pytest.mark.parametrize("kind", P.KINDS)
+@pytest.mark.parametrize("stages, micro_batches, batch", [(2, 1, 8), (2, 3, 10), (3, 4, 7), (4, 2, 9)])
+def test_real_pipeline_gradients_equal_the_unsplit_model(kind, stages, micro_batches, batch):
+    res = run(P.pipeline_worker, stages, kind, micro_batches, batch, 16, 2, backend="gloo", show_output=False)
+    full = P.make_full_model(stages, 16, 2)
+    x, y = P.make_batch(batch, 16)
+    F.mse_loss(full(x), y).backward()
+    got = [g for r in res for g in r["grads"]]
+    for ref, g in zip(full.parameters(), got):
+        torch.testing.assert_close(g, ref.grad, atol=1e-6, rtol=1e-5)
+    assert [r["peak_in_flight"] for r in res] == P.peak_in_flight(kind, stages, micro_batches)
+    ran = [[(op, i) for op, i, _, _ in r["timeline"]] for r in res]
+    assert ran == P.schedule(kind, stages, micro_batches)          # the ops ran in schedule order
+
+
+def test_measured_bubble_of_a_real_run_is_sensible():
+    res = run(P.pipeline_worker, 2, "gpipe", 1, 256, 256, 2, backend="gloo", threads=1, show_output=False)
+    assert 0.4 < P.measured_bubble(res) < 0.6   # one micro-batch: each stage idles about half the time
+
+
+def test_explorer_and_picture():
+    ex = ScheduleExplorer("gpipe", 4, 8)
+    assert ex.state["bubble"] == pytest.approx(3 / 11) and ex.state["peak_in_flight"] == [8] * 4
+    ex.kind.value = "1f1b"
+    ex.micro_batches.value = 2
+    assert ex.state["bubble"] == pytest.approx(3 / 5) and ex.state["peak_in_flight"] == [2, 2, 2, 1]
+    fig = viz.draw_pipeline(P.simulate("gpipe", 2, 2)["times"], "t")
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(["F0", "F1", "B1", "B0"] * 2)
