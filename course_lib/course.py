@@ -49,9 +49,9 @@ NOTEBOOKS: list[Notebook] = [
              "the seed program fixed; torchrun; resume; multi-node; NCCL variables; bf16; bus bandwidth", 2,
              "partial", 40),
     Notebook("05_model_parallel.ipynb", "Manual model parallelism",
-             "layers split across cuda:0/cuda:1; memory per device; micro-batches", 2, "partial"),
+             "training memory arithmetic; layers split across cuda:0/cuda:1; the idle problem", 2, "partial", 10),
     Notebook("06_pipeline_schedules.ipynb", "Pipeline schedules",
-             "stages as processes; GPipe and 1F1B; the bubble, measured", 0, "full"),
+             "stages as processes; GPipe and 1F1B; the bubble, measured; activation memory", 0, "full", 25),
     Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
 ]
