@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import hardware

@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from course_lib import checkpoint, ddp_tour, measure, training, viz_dp
 from course_lib.data import WithExtras, make_dataset, make_mlp
