@@ -297,6 +297,7 @@ def _collect(procs, conns, world_size, timeout, fn, grace: float = 1.0):
     """
     deadline = time.monotonic() + timeout
     results, pending, failures = {}, set(range(world_size)), []
+    grace_started = False
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -325,7 +326,8 @@ def _collect(procs, conns, world_size, timeout, fn, grace: float = 1.0):
                 _, exc_type, exc_message, frames, text = message
                 failures.append(RankError(rank, world_size, exc_type, exc_message,
                                           _remote_traceback(frames, text, fn)))
-        if failures and len(failures) == 1 and not ready == []:
+        if failures and not grace_started:
+            grace_started = True
             deadline = min(deadline, time.monotonic() + grace)  # let the others report, briefly
     if not failures:
         return results, None

@@ -304,3 +304,14 @@ def test_the_root_cause_is_reported_not_the_peers_that_lost_it(no_leftovers):
     with pytest.raises(RankError) as info:
         run(one_fails, 3, backend="gloo", timeout=30, show_output=False)
     assert info.value.rank == 2 and "the real problem" in str(info.value)
+
+
+def test_two_ranks_failing_at_once_do_not_wait_for_the_full_timeout(no_leftovers):
+    def two_fail_one_hangs(rank, world_size):
+        if rank < 2:
+            raise ValueError(f"rank {rank} fails")
+        time.sleep(600)
+    start = time.monotonic()
+    with pytest.raises(RankError):
+        run(two_fail_one_hangs, 3, backend="gloo", timeout=120, show_output=False)
+    assert time.monotonic() - start < 10
