@@ -62,8 +62,8 @@ def _diagnose(per_rank, n) -> str | None:
         extra = k["got"] - k["expected"]
         changed = extra != 0
         if any(torch.equal(extra[changed], q["original"][changed]) for q in cases):
-            return (f"{where}: rank {bad} has a contribution added twice. The reduce-scatter takes N-1 steps, not N, "
-                    "and the all-gather must overwrite chunks, not add to them.")
+            return (f"{where}: rank {bad} has a contribution added twice. In the all-gather the finished chunks must "
+                    "overwrite the partial ones, not be added to them; and no chunk may go round more than N-1 times.")
         if n > 1 and cases[0]["size"] >= n:
             chunks = lambda t: list(t.view(-1).tensor_split(n))  # noqa: E731
             owners = [sum(torch.equal(a, b) for a, b in zip(chunks(q["got"]), chunks(q["expected"]))) for q in cases]
