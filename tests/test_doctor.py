@@ -48,3 +48,20 @@ def test_notebook_table_by_gpu_count():
 def test_cli_usage_is_explained():
     out = subprocess.run([sys.executable, "-m", "course_lib"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "doctor" in out.stderr
+
+
+def test_peer_access_report_names_missing_pairs():
+    full = doctor._peer_access(2, lambda i, j: True)
+    assert full.status == doctor.OK and "all 2 GPU pairs" in full.detail
+    partial = doctor._peer_access(3, lambda i, j: (i, j) != (0, 2))
+    assert partial.status == doctor.WARN and "0->2" in partial.detail and "nvidia-smi topo -m" in partial.fix
+
+
+def test_nccl_smoke_failure_is_reported_with_the_fix(monkeypatch):
+    from course_lib import launch
+
+    def refuse(*args, **kwargs):
+        raise launch.LaunchError("NCCL error: unhandled system error")
+    monkeypatch.setattr(launch, "run", refuse)
+    check = doctor._nccl_smoke(2)
+    assert check.status == doctor.FAIL and "NCCL error" in check.detail and "NCCL_DEBUG=INFO" in check.fix
