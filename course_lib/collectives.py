@@ -125,9 +125,12 @@ def reduce_scatter_demo(rank, world_size):
 def all_to_all_demo(rank, world_size):
     x = _start("all_to_all", rank, world_size)
     before = x.tolist()
-    out = list(torch.empty(world_size).chunk(world_size))
-    dist.all_to_all(out, list(x.chunk(world_size)))  # chunk j goes to rank j: a transpose
-    return before, torch.cat(out).tolist()
+    out = torch.empty(world_size)
+    # chunk j of x goes to rank j, and chunk i of out comes from rank i: a transpose. The list form,
+    # dist.all_to_all(out_list, in_list), does the same, but Gloo in torch 2.11 lacks it; this one
+    # runs on Gloo and NCCL alike.
+    dist.all_to_all_single(out, x)
+    return before, out.tolist()
 
 
 def barrier_demo(rank, world_size, delay: float = 0.15):

@@ -95,6 +95,33 @@ def test_launch_env_names_what_is_missing():
         {"RANK": 3, "LOCAL_RANK": 1, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2}
 
 
+@pytest.mark.parametrize("argv, phrase", [
+    (["--save-every", "0"], "--save-every: must be > 0"),
+    (["--batch-size", "-4"], "--batch-size: must be > 0"),
+    (["--lr", "fast"], "--lr: 'fast' is not a number"),
+    (["--epochs", "2", "--crash-at-epoch", "3"], "after the last epoch"),
+    (["--checkpoint", "."], "is a directory: give a file name")])
+def test_bad_options_stop_with_a_usage_message(argv, phrase, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_ddp.parse_args(argv)
+    assert info.value.code == 2 and phrase in capsys.readouterr().err
+
+
+def test_an_unusable_checkpoint_stops_the_job_with_what_to_do(tmp_path):
+    """Another model's snapshot, a file that is not a snapshot, a damaged one: no traceback soup."""
+    ok = str(tmp_path / "ok.pt")
+    torchrun(RECIPE, "--epochs", "1", *ARGS[2:], "--checkpoint", ok, nproc_per_node=1, module=True, echo=False)
+    torch.save({"model": 1}, tmp_path / "other.pt")
+    (tmp_path / "damaged.pt").write_bytes(open(ok, "rb").read()[:200])
+    for name, why in [("ok.pt", "another model's weights (size mismatch"), ("other.pt", "it has no 'optimizer'"),
+                      ("damaged.pt", "the file is damaged or is not a torch.save file")]:
+        with pytest.raises(CommandError) as info:        # ok.pt has --hidden 32: resume it with 16
+            torchrun(RECIPE, "--epochs", "2", "--samples", "600", "--hidden", "16", "--checkpoint",
+                     str(tmp_path / name), nproc_per_node=1, module=True, echo=False, timeout=120)
+        assert f"cannot resume from {tmp_path / name}: {why}" in info.value.output, info.value.output[-1500:]
+        assert "move it away to start afresh" in info.value.output
+
+
 def test_slurm_template_parses():
     path = os.path.join(os.path.dirname(train_ddp.__file__), "slurm_ddp.sbatch")
     run_command(["bash", "-n", path], echo=False)

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import pickle
 import signal
 import sys
 import time
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from course_lib import checkpoint
 from course_lib.data import make_dataset, make_mlp
 
+SNAPSHOT_KEYS = ("model", "optimizer", "epochs_run", "losses")
 LAUNCH_HINT = "python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp"
 
 
@@ -46,26 +48,47 @@ class Context:
     device: torch.device
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; a bad value stops every rank at once with argparse's usage message."""
     p = argparse.ArgumentParser(description="DDP training recipe (run under torchrun)")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--depth", type=int, default=3)
+    count, real = _positive(int), _positive(float)
+    p.add_argument("--epochs", type=count, default=4)
+    p.add_argument("--batch-size", type=count, default=32, help="per rank")
+    p.add_argument("--lr", type=real, default=0.05)
+    p.add_argument("--samples", type=count, default=2000)
+    p.add_argument("--hidden", type=count, default=128)
+    p.add_argument("--depth", type=count, default=3)
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with GPUs, else gloo")
     p.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto", help="auto: bf16 on GPUs only")
     p.add_argument("--checkpoint", default=None, help="snapshot path; resumed from when it exists")
-    p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
+    p.add_argument("--save-every", type=count, default=1, help="epochs between snapshots")
     p.add_argument("--out", default=None, help="where rank 0 writes the final weights")
-    p.add_argument("--timeout", type=float, default=300, help="seconds before a stuck collective fails")
+    p.add_argument("--timeout", type=real, default=300, help="seconds before a stuck collective fails")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--crash-at-epoch", type=int, default=None,
+    p.add_argument("--crash-at-epoch", type=count, default=None,
                    help="fault injection: SIGKILL one rank half-way through this epoch, counted from 1 "
                         "(on the first attempt only, so a restarted job can finish)")
     p.add_argument("--crash-rank", type=int, default=1)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.crash_at_epoch is not None and args.crash_at_epoch > args.epochs:
+        p.error(f"--crash-at-epoch {args.crash_at_epoch} is after the last epoch (--epochs {args.epochs})")
+    for path, flag in ((args.checkpoint, "--checkpoint"), (args.out, "--out")):
+        if path is not None and os.path.isdir(path):
+            p.error(f"{flag} {path} is a directory: give a file name, e.g. {os.path.join(path, 'snapshot.pt')}")
+    return args
 
 
 def launch_env(environ=os.environ) -> dict[str, int]:
@@ -138,6 +161,18 @@ def fingerprint(state: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def _why_unusable(e: Exception) -> str:
+    text = str(e)
+    mismatch = [line.strip() for line in text.splitlines() if "size mismatch" in line or "Missing key" in line]
+    if mismatch:
+        return "another model's weights (" + mismatch[0].rstrip(".") + ")"
+    if "Weights only load failed" in text or isinstance(e, (EOFError, pickle.UnpicklingError)) or "zip" in text:
+        return "the file is damaged or is not a torch.save file of tensors"
+    if isinstance(e, KeyError):
+        return f"it has no {e.args[0]} entry"
+    return f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+
+
 class Trainer:
     def __init__(self, args, ctx: Context):
         self.args, self.ctx = args, ctx
@@ -151,20 +186,32 @@ class Trainer:
                                  pin_memory=ctx.device.type == "cuda")
         self.amp = args.amp == "bf16" or (args.amp == "auto" and ctx.device.type == "cuda")
         self.epochs_run, self.losses = 0, []
+        if args.crash_at_epoch is not None and not 0 <= args.crash_rank < ctx.world_size:
+            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job (0..{ctx.world_size - 1})")
         if args.checkpoint and os.path.exists(args.checkpoint):
             self._load_snapshot()
 
     def _save_snapshot(self) -> None:
         if self.ctx.rank == 0:                             # one writer, atomically
-            checkpoint.save_atomic({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                                    "epochs_run": self.epochs_run, "losses": self.losses}, self.args.checkpoint)
+            snapshot = dict(zip(SNAPSHOT_KEYS, (self.model.module.state_dict(), self.optimizer.state_dict(),
+                                                self.epochs_run, self.losses)))
+            checkpoint.save_atomic(snapshot, self.args.checkpoint)
         dist.barrier()
 
     def _load_snapshot(self) -> None:
-        snap = checkpoint.load(self.args.checkpoint, map_location=self.ctx.device)
-        self.model.module.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        self.epochs_run, self.losses = snap["epochs_run"], list(snap["losses"])
+        path = self.args.checkpoint
+        try:
+            snap = checkpoint.load(path, map_location=self.ctx.device)
+            missing = [k for k in SNAPSHOT_KEYS if not isinstance(snap, dict) or k not in snap]
+            if missing:
+                raise KeyError(", ".join(map(repr, missing)))
+            self.model.module.load_state_dict(snap["model"])
+            self.optimizer.load_state_dict(snap["optimizer"])
+            self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
+        except Exception as e:                             # not ours, damaged, or another model's shape
+            raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
+                             f"recipe wrote with the same --hidden ({self.args.hidden}) and --depth ({self.args.depth}):"
+                             f" rerun with the options it was written with, or move it away to start afresh.") from e
         self.log(f"resumed from {self.args.checkpoint} after {self.epochs_run} epoch(s)")
 
     def log(self, message: str) -> None:
