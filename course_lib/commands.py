@@ -126,6 +126,16 @@ def _stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
             return
 
 
+def _check_launch(target: str, module: bool, cwd: str | None, **counts) -> None:
+    """Refuse at once what torchrun would only refuse after starting its workers."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not module and not os.path.isfile(os.path.join(cwd or os.getcwd(), target)):
+        raise FileNotFoundError(f"script {target!r} not found (from {cwd or os.getcwd()}); for a module "
+                                f"(python -m NAME) pass module=True")
+
+
 def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = False,
              torchrun_args: tuple[str, ...] = (), standalone: bool = True, timeout: float = 300,
              env: dict | None = None, cwd: str | None = None, echo: bool = True) -> Completed:
@@ -135,8 +145,7 @@ def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = 
     (``--standalone``); pass ``standalone=False`` and ``torchrun_args=("--nnodes=2", ...)`` for the
     multi-node form.  Every worker's output is prefixed by torchrun with ``[default<rank>]:``.
     """
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    _check_launch(target, module, cwd, nproc_per_node=nproc_per_node)
     args = [sys.executable, "-m", "torch.distributed.run"]
     if standalone:
         args.append("--standalone")
@@ -154,8 +163,7 @@ def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: i
     (``127.0.0.1:<free port>``), exactly as on ``nnodes`` real machines sharing a head node's address.
     """
     from .launch import free_port
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
+    _check_launch(target, module, cwd, nnodes=nnodes, nproc_per_node=nproc_per_node)
     endpoint = f"127.0.0.1:{free_port()}"
     commands = []
     for node in range(nnodes):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from course_lib.commands import CommandError, run_command, torchrun
+from course_lib.commands import CommandError, run_command, torchrun, torchrun_nodes
 from conftest import descendants, wait_gone
 
 SCRIPT = textwrap.dedent("""
@@ -59,3 +59,9 @@ def test_torchrun_runs_every_rank_and_raises_on_failure(tmp_path, capsys):
 def test_torchrun_bad_arguments():
     with pytest.raises(ValueError, match="nproc_per_node"):
         torchrun("x.py", nproc_per_node=0)
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        torchrun_nodes("x.py", nproc_per_node=-1)
+    with pytest.raises(ValueError, match="nnodes"):
+        torchrun_nodes("x.py", nnodes=0)
+    with pytest.raises(FileNotFoundError, match="pass module=True"):
+        torchrun("course_lib.recipes.train_ddp")
