@@ -7,6 +7,15 @@ import torch
 
 from course_lib import launch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env_with_path(*first: str) -> dict:
+    """``os.environ`` for a child Python that imports ``first``, then this project, then what PYTHONPATH
+    already had (on the offline GPU machine the course's packages are only reachable through it)."""
+    parts = [*first, ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,8 +1,8 @@
 """The preflight: its checks, its notebook table, and its exit code."""
-import os
 import subprocess
 import sys
 
+from conftest import env_with_path
 from course_lib import course, doctor
 
 
@@ -16,7 +16,7 @@ def test_preflight_passes_here_and_exits_zero():
 def test_preflight_fails_with_the_fix_when_something_is_missing(tmp_path):
     # a fake package that shadows cloudpickle and fails to import, as a broken install would
     (tmp_path / "cloudpickle.py").write_text("raise ImportError('simulated missing package')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    env = env_with_path(str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "course_lib", "doctor", "--no-smoke"], capture_output=True,
                          text=True, timeout=180, env=env)
     assert out.returncode == 1

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from course_lib import hardware, launch
 from course_lib.launch import RankDiedError, RankError, RunTimeoutError, run
-from conftest import wait_gone
+from conftest import env_with_path, wait_gone
 
 
 def test_results_in_rank_order_with_args_closures_and_lambdas(no_leftovers):
@@ -221,10 +221,12 @@ def _start_waiting_run(pids_file):
             time.sleep(600)
         run(wait_forever, 2, timeout=600)
     """)
-    kernel = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()},
+    kernel = subprocess.Popen([sys.executable, "-c", script], env=env_with_path(),
                               stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not pids_file.exists() or len(pids_file.read_text().split()) < 2):
+        if kernel.poll() is not None:
+            raise AssertionError(f"the kernel script ended early:\n{kernel.stderr.read()}")
         time.sleep(0.1)
     rank_pids = {int(p) for p in pids_file.read_text().split()}
     assert len(rank_pids) == 2
@@ -253,7 +255,7 @@ def test_a_script_without_a_main_guard_is_not_rerun_in_the_ranks(tmp_path):
     script.write_text("from course_lib.launch import run\nprint('top level ran')\n"
                       "print(run(lambda r, w: r + 1, 2, show_output=False))\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env=env_with_path())
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["top level ran", "[1, 2]"]
 
