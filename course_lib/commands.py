@@ -155,21 +155,26 @@ def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = 
 
 
 def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: int = 1, module: bool = False,
-                   timeout: float = 300, env: dict | None = None, cwd: str | None = None,
+                   rendezvous: str = "c10d", timeout: float = 300, env: dict | None = None, cwd: str | None = None,
                    echo: bool = True) -> list[Completed]:
     """Simulate a multi-node job on this machine: one torchrun per "node", meeting over loopback.
 
-    Each gets ``--nnodes``, its own ``--node-rank`` and the same c10d rendezvous endpoint
-    (``127.0.0.1:<free port>``), exactly as on ``nnodes`` real machines sharing a head node's address.
+    ``rendezvous="c10d"``: each gets ``--nnodes``, its own ``--node-rank`` and the same c10d rendezvous
+    endpoint (``127.0.0.1:<free port>``), exactly as on ``nnodes`` real machines sharing a head node's
+    address.  ``rendezvous="static"``: the older form, ``--master-addr``/``--master-port`` and a
+    ``--node-rank`` that must be given, no restarts of single nodes.
     """
     from .launch import free_port
     _check_launch(target, module, cwd, nnodes=nnodes, nproc_per_node=nproc_per_node)
-    endpoint = f"127.0.0.1:{free_port()}"
+    if rendezvous not in ("c10d", "static"):
+        raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
+    port = free_port()
+    meet = (["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=course-job"]
+            if rendezvous == "c10d" else ["--master-addr=127.0.0.1", f"--master-port={port}"])
     commands = []
     for node in range(nnodes):
         args = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
-                f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=course-job", "--tee=3"]
+                f"--nproc-per-node={nproc_per_node}", *meet, "--tee=3"]
         commands.append(args + (["-m", target] if module else [target]) + [str(a) for a in script_args])
     return run_commands(commands, labels=[f"[node {n}]" for n in range(nnodes)], timeout=timeout, env=env,
                         cwd=cwd, echo=echo)

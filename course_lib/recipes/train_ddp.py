@@ -16,6 +16,7 @@ The last line rank 0 prints is a JSON summary (losses, throughput, a fingerprint
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -270,13 +271,21 @@ class Trainer:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     ctx = setup(args)
+    trainer = None
     try:
-        summary = Trainer(args, ctx).train()
+        trainer = Trainer(args, ctx)
+        summary = trainer.train()
         if ctx.rank == 0:
             print(json.dumps(summary), flush=True)
         return summary
-    finally:
-        cleanup()                                          # also when training raised
+    finally:                                               # also when training raised:
+        # Gloo's worker threads outlive destroy_process_group once DDP has used the group (torch 2.13), and
+        # one still freeing the last all-reduce's tensors while Python shuts down cannot take the GIL: the
+        # process aborts ("terminate called without an active exception", 2 runs in ~100 under load). Free
+        # the trainer and collect while Python is fully alive, which gives them the time to finish; then destroy.
+        del trainer
+        gc.collect()
+        cleanup()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 
 if __name__ == "__main__":
     env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env["master"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"   # where init_process_group meets
     env["device_by_global_rank"] = f"cuda:{env['RANK']}"
     env["device_by_local_rank"] = f"cuda:{env['LOCAL_RANK']}"
     print(json.dumps(env), flush=True)
