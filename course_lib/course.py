@@ -47,7 +47,7 @@ NOTEBOOKS: list[Notebook] = [
              "gradient averaging, DistributedSampler, buckets and overlap, no_sync, LR scaling", 0, "full", 45),
     Notebook("04_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
              "the seed program fixed; torchrun; resume; multi-node; NCCL variables; bf16; bus bandwidth", 2,
-             "partial", 40),
+             "partial", 45),
     Notebook("05_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1; the idle problem", 2, "partial", 10),
     Notebook("06_pipeline_schedules.ipynb", "Pipeline schedules",

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from course_lib.commands import CommandError, run_command, torchrun, torchrun_nodes
+from course_lib.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 from conftest import descendants, wait_gone
 
 SCRIPT = textwrap.dedent("""
@@ -65,3 +65,20 @@ def test_torchrun_bad_arguments():
         torchrun_nodes("x.py", nnodes=0)
     with pytest.raises(FileNotFoundError, match="pass module=True"):
         torchrun("course_lib.recipes.train_ddp")
+
+
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_two_nodes_meet_in_either_form_and_share_one_master(form):
+    nodes = torchrun_nodes("course_lib.recipes.whoami", nnodes=2, nproc_per_node=2, module=True, echo=False,
+                           rendezvous=form, timeout=120)
+    told = [w for node in nodes for w in json_lines(node.output)]
+    assert sorted(w["RANK"] for w in told) == [0, 1, 2, 3]
+    assert all(w["RANK"] == 2 * w["GROUP_RANK"] + w["LOCAL_RANK"] for w in told)
+    assert len({w["master"] for w in told}) == 1
+    if form == "static":
+        assert f"--master-port={told[0]['master'].split(':')[1]}" in nodes[0].args
+
+
+def test_torchrun_nodes_refuses_an_unknown_rendezvous():
+    with pytest.raises(ValueError, match="'c10d' or 'static'"):
+        torchrun_nodes("course_lib.recipes.whoami", module=True, rendezvous="etcd")
