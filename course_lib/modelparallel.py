@@ -27,22 +27,62 @@ class SplitModel(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.devices = devices
-        self.timeline: list[tuple[int, int, float, float]] = []   # (part, micro-batch, start, end)
+        self._timeline: list[tuple[int, int, float, float]] = []   # (part, micro-batch, start, end)
+        self._pending: list[tuple[int, int, object, object]] = []
+        self._clock: tuple[float, dict] | None = None
+
+    @property
+    def timeline(self) -> list[tuple[int, int, float, float]]:
+        """``(part, micro-batch, start, end)`` of every recorded part, in seconds (``time.perf_counter``)."""
+        self._finish_recording()
+        return self._timeline
 
     def forward(self, x: torch.Tensor, micro_batch: int = 0, record: bool = False) -> torch.Tensor:
+        if record and self._clock is None:
+            self._start_recording()
         for k, (part, device) in enumerate(zip(self.parts, self.devices)):
             x = x.to(device, non_blocking=True)      # the activation crosses to the next device
-            start = time.perf_counter()
+            start = self._mark(device) if record else None
             x = part(x)
             if record:
-                _sync(device)
-                self.timeline.append((k, micro_batch, start, time.perf_counter()))
+                self._pending.append((k, micro_batch, start, self._mark(device)))
         return x
 
+    # On a GPU a part's kernels run after forward() has returned: its times are taken by CUDA events in the
+    # device's stream, not by synchronising (which would stop the next part from overlapping this one).
+    # Each GPU's events are timed from a reference event recorded when recording starts, with all devices
+    # idle; the references are taken back to back, so the GPUs' clocks agree to ~10 microseconds.
+    def _cuda_devices(self) -> list[torch.device]:
+        return sorted({d for d in self.devices if d.type == "cuda"}, key=str)
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def _start_recording(self) -> None:
+        for d in self._cuda_devices():
+            torch.cuda.synchronize(d)
+        refs = {d: self._mark(d) for d in self._cuda_devices()}
+        self._clock = (time.perf_counter(), refs)
+
+    @staticmethod
+    def _mark(device: torch.device):
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _finish_recording(self) -> None:
+        if self._clock is None:
+            return
+        for d in self._cuda_devices():
+            torch.cuda.synchronize(d)
+        t0, refs = self._clock
+        device_of = dict(enumerate(self.devices))
+
+        def seconds(mark, device):
+            return mark if device.type != "cuda" else t0 + refs[device].elapsed_time(mark) / 1e3
+
+        for k, i, start, end in self._pending:
+            self._timeline.append((k, i, seconds(start, device_of[k]), seconds(end, device_of[k])))
+        self._pending, self._clock = [], None
 
 
 def split_model(model: nn.Sequential, split_points: list[int], devices: list[str] | None = None,

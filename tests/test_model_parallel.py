@@ -100,3 +100,23 @@ def test_memory_widget_driven_in_code():
     assert calc.state["fits"] is True and "fits" in calc.out.value
     calc.optimizer.value = "sgd"
     assert calc.state["breakdown"]["optimizer states"] == 0
+
+
+@pytest.mark.gpu
+def test_timeline_on_a_gpu_comes_from_cuda_events_without_stopping_the_queue():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())])
+    split = split_model(model, [4], ["cuda:0", "cuda:1"], verbose=False)   # one GPU: both parts on cuda:0
+    piped = PipelinedSplit(split, 4)
+    x = torch.randn(256, 512, device=split.devices[0])
+    with torch.no_grad():
+        piped(x)
+        split.timeline.clear()
+        piped(x, record=True)
+        assert split._pending and split._clock is not None          # nothing converted before it is read
+        timeline = split.timeline
+    assert sorted((k, i) for k, i, _, _ in timeline) == [(k, i) for k in range(2) for i in range(4)]
+    assert all(end > start for _, _, start, end in timeline)
+    if split.devices[0] == split.devices[1]:                          # one queue: parts strictly one after another
+        spans = sorted((s, e) for _, _, s, e in timeline)
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
