@@ -167,7 +167,7 @@ def _why_unusable(e: Exception) -> str:
     mismatch = [line.strip() for line in text.splitlines() if "size mismatch" in line or "Missing key" in line]
     if mismatch:
         return "another model's weights (" + mismatch[0].rstrip(".") + ")"
-    if "Weights only load failed" in text or isinstance(e, (EOFError, pickle.UnpicklingError)) or "zip" in text:
+    if "Weights only load failed" in text or isinstance(e, (EOFError, pickle.UnpicklingError)) or "zip archive" in text:
         return "the file is damaged or is not a torch.save file of tensors"
     if isinstance(e, KeyError):
         return f"it has no {e.args[0]} entry"
