@@ -5,7 +5,8 @@
 # CPU build instead, e.g.  make lab TORCH_PIP_ARGS="--index-url <PyTorch's CPU wheel index>"  (README).
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= torch>=2.4
+# torch as course_lib/requirements.txt (the one dependency list) asks for it; CI pins the CPU build.
+TORCH ?= $(shell grep -E '^torch\b' course_lib/requirements.txt)
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 BIN := $(VENV)/bin
@@ -15,7 +16,7 @@ STAMP := $(VENV)/.course-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml course_lib/requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_PIP_ARGS)

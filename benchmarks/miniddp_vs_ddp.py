@@ -1,13 +1,14 @@
 """Step time of the from-scratch MiniDDP against torch's DistributedDataParallel, side by side.
 
-Goal (issue 4): MiniDDP's step time <= 1.25x torch DDP's.  Both wrap the same model in the same
+Goal: MiniDDP's step time <= 1.25x torch DDP's.  Both wrap the same model in the same
 process group and alternate, a few steps each, for ``--rounds`` rounds; medians are compared.
 
     python benchmarks/miniddp_vs_ddp.py [--ranks 2] [--rounds 15]
 """
 import argparse
 
-from course_lib import hardware, measure
+from course_lib import hardware
+from course_lib.data_parallel import measure
 from course_lib.launch import run
 
 

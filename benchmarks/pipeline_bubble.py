@@ -1,6 +1,6 @@
 """Pipeline bubble measured against (p-1)/(m+p-1), and the speed-up of micro-batching, side by side.
 
-Goal (issue 6): with 2 stages as 2 processes on a 2-core CPU machine, the measured bubble is within 0.05
+Goal: with 2 stages as 2 processes on a 2-core CPU machine, the measured bubble is within 0.05
 of the formula for m = 1, 2, 4, 8, and m = 8 is at least 1.5x faster than m = 1.  Each (schedule, m) is run
 ``--repeats`` times, interleaved, and the median kept.
 
@@ -10,7 +10,7 @@ import argparse
 import statistics
 
 from course_lib import hardware
-from course_lib import pipeline as P
+from course_lib import pipeline_parallel as P
 from course_lib.launch import run
 
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from course_lib.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
+from course_lib.launch.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 from conftest import descendants, wait_gone
 
 SCRIPT = textwrap.dedent("""

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from course_lib import allreduce, costmodel
+from course_lib.comm import allreduce, costmodel
 from course_lib.launch import run
 
 

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 from conftest import env_with_path
-from course_lib import course, doctor
+from course_lib import course_map, doctor
 
 
 def test_preflight_passes_here_and_exits_zero():
@@ -35,14 +35,13 @@ def test_small_shm_is_a_failure_with_the_docker_fix():
 def test_notebook_table_by_gpu_count():
     cpu = dict(doctor.notebook_table(gpu_count=0))
     two = dict(doctor.notebook_table(gpu_count=2))
-    for nb in course.NOTEBOOKS:
-        if not nb.available:
-            assert cpu[nb.file] == "not written yet"
-        elif nb.gpus_for_all == 0:
+    assert list(cpu) == [nb.file for nb in course_map.NOTEBOOKS]
+    for nb in course_map.NOTEBOOKS:
+        if nb.gpus_for_all == 0:
             assert cpu[nb.file] == two[nb.file] == "full"
         else:
             assert cpu[nb.file].startswith(nb.cpu) and two[nb.file] == "full"
-    assert all(s.startswith("no") or s == "not written yet" for _, s in doctor.notebook_table(0, failed=True))
+    assert all(s.startswith("no") for _, s in doctor.notebook_table(0, failed=True))
 
 
 def test_cli_usage_is_explained():

@@ -84,8 +84,8 @@ def test_a_non_function_is_explained():
 
 
 # ---- notebook 02: all-reduce by hand ------------------------------------------------------------------------
-from course_lib import allreduce  # noqa: E402
-from course_lib.allreduce import exchange  # noqa: E402
+from course_lib.comm import allreduce  # noqa: E402
+from course_lib.comm.allreduce import exchange  # noqa: E402
 from course_lib.exercises import ex02  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def test_all_reduce_wrong_answers_are_explained():
 
 
 # ---- notebook 03: averaging gradients by hand --------------------------------------------------------------
-from course_lib.dataparallel import average_gradients  # noqa: E402
+from course_lib.data_parallel import average_gradients  # noqa: E402
 from course_lib.exercises import ex03  # noqa: E402
 
 

@@ -42,7 +42,7 @@ def test_check_backend_errors_say_what_to_do(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA GPUs and this machine has none"):
         hardware.check_backend("nccl", 1)
     fake_gpus(monkeypatch, 2)
-    with pytest.raises(ValueError, match=r"4 ranks were asked for and this machine has 2 GPUs.*backend='gloo'"):
+    with pytest.raises(ValueError, match=r"4 ranks on this machine and it has 2 GPUs.*backend='gloo'"):
         hardware.check_backend("NCCL", 4)
     assert hardware.check_backend("Gloo", 4) == "gloo"
 

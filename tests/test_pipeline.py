@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import pipeline as P
+from course_lib import pipeline_parallel as P
 from course_lib import viz
 from course_lib.launch import run
-from course_lib.widgets import ScheduleExplorer
+from course_lib.viz.widgets import ScheduleExplorer
 
 
 @pytest.mark.parametrize("kind", P.KINDS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..allreduce import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce  # noqa: F401 (references)
+from ..comm.allreduce import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce  # noqa: F401 (references)
 from . import passed, run_attempt, wrong
 
 WORLD_SIZES = (2, 3, 4)

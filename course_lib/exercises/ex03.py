@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data import make_dataset, make_mlp
-from ..dataparallel import average_gradients  # noqa: F401 (the reference solution)
+from ..data import make_dataset
+from ..models import make_mlp
+from ..data_parallel import average_gradients  # noqa: F401 (the reference solution)
 from . import passed, run_attempt, wrong
 
 

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from course_lib import checkpoint
-from course_lib.data import make_dataset, make_mlp
+from course_lib import checkpoint, hardware
+from course_lib.data import make_dataset
+from course_lib.models import make_mlp
 
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_run", "losses")
 LAUNCH_HINT = "python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp"
@@ -103,19 +104,13 @@ def launch_env(environ=os.environ) -> dict[str, int]:
     return env
 
 
-def choose_backend(requested: str | None, local_world_size: int, gpu_count: int, nccl_available: bool) -> str:
-    """NCCL when every rank on this node can have its own GPU; refuse what cannot work, saying why."""
-    if requested is None:
-        return "nccl" if nccl_available and 0 < local_world_size <= gpu_count else "gloo"
-    if requested == "nccl":
-        if gpu_count == 0:
-            raise SystemExit("error: --backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        if not nccl_available:
-            raise SystemExit("error: this build of torch has no NCCL: use --backend gloo")
-        if local_world_size > gpu_count:
-            raise SystemExit(f"error: {local_world_size} ranks on this node but {gpu_count} GPU(s): NCCL needs one GPU "
-                             f"per rank. Use --nproc-per-node={gpu_count}, or --backend gloo")
-    return requested
+def choose_backend(requested: str | None, local_world_size: int) -> str:
+    """The course's one backend policy (:func:`course_lib.hardware.check_backend`): NCCL when every rank on
+    this node can have its own GPU, else Gloo; what cannot work stops the job at once, saying why."""
+    try:
+        return hardware.check_backend(requested, local_world_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _store_for_this_attempt(env: dict, timeout: timedelta):
@@ -132,8 +127,7 @@ def _store_for_this_attempt(env: dict, timeout: timedelta):
 
 def setup(args) -> Context:
     env = launch_env()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
+    backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"])
     if backend == "nccl":
         device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
         torch.cuda.set_device(device)                      # before init_process_group
@@ -172,6 +166,18 @@ def _why_unusable(e: Exception) -> str:
     if isinstance(e, KeyError):
         return f"it has no {e.args[0]} entry"
     return f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+
+
+def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, amp: bool) -> torch.Tensor:
+    """One step: forward (in bf16 under autocast when ``amp``; the weights stay fp32), loss in fp32,
+    backward (DDP all-reduces the gradients during it), update. Returns the loss, not synchronised."""
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 class Trainer:
@@ -236,12 +242,7 @@ class Trainer:
         for step, (x, y) in enumerate(bar):
             self._maybe_crash(epoch, step)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-            with torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float(), y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            loss = train_step(self.model, self.optimizer, x, y, self.amp)
             totals += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.ctx.device)])
         dist.all_reduce(totals)                            # the mean loss over ALL ranks' samples
         return (totals[0] / totals[1]).item()

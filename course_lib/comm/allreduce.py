@@ -134,13 +134,13 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor) -> None:
 
 
 @all_reduce_algorithm
-def gloo_all_reduce(tensor: torch.Tensor) -> None:
-    """The library's own all-reduce, with the same signature as the hand-written ones."""
+def library_all_reduce(tensor: torch.Tensor) -> None:
+    """``dist.all_reduce`` of whatever backend runs (Gloo's or NCCL's), with the hand-written ones' signature."""
     dist.all_reduce(tensor)
 
 
 IMPLEMENTATIONS = {"naive": naive_all_reduce, "ring": ring_all_reduce,
-                   "recursive doubling": recursive_doubling_all_reduce, "dist.all_reduce": gloo_all_reduce}
+                   "recursive doubling": recursive_doubling_all_reduce, "dist.all_reduce": library_all_reduce}
 
 
 def ring_state(world_size: int, step: int) -> list[list[frozenset[int]]]:

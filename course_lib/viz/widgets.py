@@ -9,7 +9,9 @@ import ipywidgets as W
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from . import collectives, viz
+from ..comm import collectives
+from .collectives import draw_collective, draw_ring_state
+from .pipeline import draw_pipeline
 
 
 def collective_state(name: str, world_size: int) -> dict:
@@ -38,7 +40,7 @@ class CollectiveExplorer:
         self.state = collective_state(self.name.value, self.world_size.value)
         with self.out:
             self.out.clear_output(wait=True)
-            fig = viz.draw_collective(self.name.value, self.state["before"], self.state["after"])
+            fig = draw_collective(self.name.value, self.state["before"], self.state["after"])
             display(fig)
             plt.close(fig)
 
@@ -47,10 +49,10 @@ class CollectiveExplorer:
 
 
 class RingStepper:
-    """Step through the ring all-reduce: world size and step number, drawn by ``viz.draw_ring_state``."""
+    """Step through the ring all-reduce: world size and step number, drawn by :func:`.collectives.draw_ring_state`."""
 
     def __init__(self, world_size: int = 4, step: int = 0, max_world_size: int = 8):
-        from .allreduce import ring_state
+        from ..comm.allreduce import ring_state
         self._ring_state = ring_state
         self.world_size = W.IntSlider(value=world_size, min=2, max=max_world_size, description="ranks")
         self.step = W.IntSlider(value=step, min=0, max=2 * (world_size - 1), description="step")
@@ -69,7 +71,7 @@ class RingStepper:
         self.state = self._ring_state(self.world_size.value, self.step.value)
         with self.out:
             self.out.clear_output(wait=True)
-            fig = viz.draw_ring_state(self.world_size.value, self.step.value)
+            fig = draw_ring_state(self.world_size.value, self.step.value)
             display(fig)
             plt.close(fig)
 
@@ -81,7 +83,7 @@ class MemoryCalculator:
     """Model size, precision, optimizer and device memory in; does it fit, and what takes the space, out."""
 
     def __init__(self, billions: float = 7.0, dtype: str = "bf16", optimizer: str = "adam", device_gib: float = 80.0):
-        from . import memory
+        from .. import memory
         self._memory = memory
         self.billions = W.FloatLogSlider(value=billions, base=10, min=-3, max=3, step=0.05,
                                          description="params (B)")
@@ -114,7 +116,7 @@ class ScheduleExplorer:
     """Pick a schedule, a number of stages and of micro-batches; see who works when, and the bubble."""
 
     def __init__(self, kind: str = "gpipe", stages: int = 4, micro_batches: int = 8):
-        from . import pipeline
+        from .. import pipeline_parallel as pipeline
         self._pipeline = pipeline
         self.kind = W.Dropdown(options=list(pipeline.KINDS), value=kind, description="schedule")
         self.stages = W.IntSlider(value=stages, min=1, max=8, description="stages")
@@ -133,7 +135,7 @@ class ScheduleExplorer:
         self.state = {**sim, "formula": p.bubble_formula(s, m), "peak_in_flight": p.peak_in_flight(k, s, m)}
         with self.out:
             self.out.clear_output(wait=True)
-            fig = viz.draw_pipeline(sim["times"], f"{k}: {s} stages, {m} micro-batches, bubble {sim['bubble']:.0%} "
+            fig = draw_pipeline(sim["times"], f"{k}: {s} stages, {m} micro-batches, bubble {sim['bubble']:.0%} "
                                     f"(formula {self.state['formula']:.0%}); activations held at most "
                                     f"{self.state['peak_in_flight']}", unit="time (forward = 1, backward = 2)")
             display(fig)

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .runner import free_port
+
 
 class CommandError(RuntimeError):
     """A command failed or timed out: ``returncode`` (``None`` on timeout) and ``output``."""
@@ -164,7 +166,7 @@ def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: i
     address.  ``rendezvous="static"``: the older form, ``--master-addr``/``--master-port`` and a
     ``--node-rank`` that must be given, no restarts of single nodes.
     """
-    from .launch import free_port
+
     _check_launch(target, module, cwd, nnodes=nnodes, nproc_per_node=nproc_per_node)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")

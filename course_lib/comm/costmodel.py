@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import hardware
+
 
 def algbw(nbytes: float, seconds: float) -> float:
     """Algorithm bandwidth in bytes/s."""
@@ -90,8 +92,7 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
     disturbed by other processes on a shared machine); small
     messages are repeated until ``min_seconds`` have passed, to see past the clock's resolution.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device = hardware.rank_device()
     results: dict[str, list[float]] = {}
     for name, fn in implementations.items():
         results[name] = []
@@ -106,7 +107,7 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
                     t0 = time.perf_counter()
                     for _ in range(inner):
                         fn(x)
-                    sync()  # a GPU runs asynchronously: wait for it before reading the clock
+                    hardware.synchronize(device)  # a GPU runs asynchronously: wait before reading the clock
                     elapsed = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64, device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if elapsed.item() * inner >= min_seconds or inner >= 1024:

@@ -8,9 +8,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint
-from .data import make_dataset, make_mlp
-from .hardware import device_for_rank
+from .. import checkpoint
+from ..data import make_dataset
+from ..hardware import rank_device
+from ..models import make_mlp
 
 
 def accumulation_worker(rank: int, world_size: int, micro_steps: int = 4, micro_batch: int = 8) -> dict:
@@ -47,7 +48,7 @@ def accumulation_worker(rank: int, world_size: int, micro_steps: int = 4, micro_
 
 def checkpoint_worker(rank: int, world_size: int, path: str, steps: int = 5) -> dict:
     """Train a few steps; rank 0 alone writes the checkpoint; every rank loads it onto its own device."""
-    device = device_for_rank(rank, dist.get_backend())
+    device = rank_device()                            # by LOCAL rank, never the global one
     model = DDP(make_mlp(seed=0).to(device))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = make_dataset(64 * world_size, seed=2).tensors
