@@ -16,8 +16,8 @@ import time
 import torch
 
 from course_lib import hardware
-from course_lib.models import make_mlp
 from course_lib.launch import run
+from course_lib.models import make_mlp
 from course_lib.recipes import train_ddp
 
 

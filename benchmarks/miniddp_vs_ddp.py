@@ -24,7 +24,8 @@ def main():
     t = run(measure.compare_wrappers_worker, a.ranks, a.width, a.depth, a.batch, a.rounds, 5, backend="gloo",
             show_output=False)[0]
     ratio = t["mini_ddp"] / t["torch_ddp"]
-    print(f"{a.ranks} ranks, MLP {a.width} wide, {a.depth} layers, batch {a.batch} per rank, median of {a.rounds} rounds")
+    print(f"{a.ranks} ranks, MLP {a.width} wide, {a.depth} layers, batch {a.batch} per rank, "
+          f"median of {a.rounds} rounds")
     print(f"  MiniDDP  : {t['mini_ddp'] * 1e3:7.2f} ms/step")
     print(f"  torch DDP: {t['torch_ddp'] * 1e3:7.2f} ms/step")
     print(f"ratio MiniDDP / torch DDP = {ratio:.2f}x (goal <= 1.25: {'met' if ratio <= 1.25 else 'NOT met'})")

@@ -38,7 +38,8 @@ def main():
         for m in ms:
             b, f = statistics.median(bubble[k, m]), P.bubble_formula(2, m)
             ok &= abs(b - f) <= 0.05
-            print(f"  {k:5} m={m}: bubble {b:.3f}  formula {f:.3f}  |diff| {abs(b - f):.3f}  step {statistics.median(wall[k, m]):.3f} s")
+            step = statistics.median(wall[k, m])
+            print(f"  {k:5} m={m}: bubble {b:.3f}  formula {f:.3f}  |diff| {abs(b - f):.3f}  step {step:.3f} s")
         speed = statistics.median(wall[k, 1]) / statistics.median(wall[k, 8])
         ok &= speed >= 1.5
         print(f"  {k:5} m=8 is {speed:.2f}x faster than m=1")

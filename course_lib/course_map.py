@@ -94,5 +94,6 @@ def markdown_table() -> str:
     rows = ["| # | notebook | you learn | hardware | 2-core CPU runtime |", "|---|---|---|---|---|"]
     for nb in NOTEBOOKS:
         runtime = f"~{nb.runtime_s} s" if nb.runtime_s else "—"
-        rows.append(f"| {nb.number} | [{nb.title}](notebooks/{nb.file}) | {nb.learn} | {hardware_label(nb)} | {runtime} |")
+        link = f"[{nb.title}](notebooks/{nb.file})"
+        rows.append(f"| {nb.number} | {link} | {nb.learn} | {hardware_label(nb)} | {runtime} |")
     return "\n".join(rows)

@@ -66,7 +66,8 @@ def shm_mib(path: str = "/dev/shm") -> float | None:
 def _shm(size_mib: float | None) -> Check:
     if size_mib is None:
         return Check("/dev/shm", INFO, "not present on this system (fine outside Linux)")
-    fix = "in Docker: docker run --shm-size=2g ... (or --ipc=host); on Kubernetes: mount an emptyDir with medium: Memory"
+    fix = ("in Docker: docker run --shm-size=2g ... (or --ipc=host); "
+           "on Kubernetes: mount an emptyDir with medium: Memory")
     if size_mib < SHM_FAIL_MIB:
         return Check("/dev/shm", FAIL, f"{size_mib:.0f} MiB: too small for multi-process training", fix)
     if size_mib < SHM_WARN_MIB:
@@ -95,8 +96,8 @@ def _smoke(backend: str, world_size: int, fix: str) -> Check:
     want = float(sum(range(1, world_size + 1)))
     if out != [want] * world_size:
         return Check(name, FAIL, f"wrong result {out}, expected {[want] * world_size}", fix)
-    return Check(name, OK, f"{world_size} rank{'s' if world_size > 1 else ''} agreed on {' + '.join(str(r + 1) for r in range(world_size))} "
-                           f"= {want:g}")
+    terms = " + ".join(str(r + 1) for r in range(world_size))
+    return Check(name, OK, f"{world_size} rank{'s' if world_size > 1 else ''} agreed on {terms} = {want:g}")
 
 
 def _gloo_smoke() -> Check:
@@ -171,7 +172,8 @@ def _notebooks() -> Check:
         return Check("notebooks", OK, f"in {found}")
     looked = ", ".join(map(str, course_map.searched()))
     return Check("notebooks", WARN, f"not found (looked in: {looked})",
-                 "run from the course's folder (the one holding notebooks/), or set COURSE_NOTEBOOKS=/path/to/notebooks")
+                 "run from the course's folder (the one holding notebooks/), "
+                 "or set COURSE_NOTEBOOKS=/path/to/notebooks")
 
 
 def report(smoke: bool = True) -> tuple[str, bool]:

@@ -185,6 +185,7 @@ def seeds_worker(rank, world_size):
 def loss_logging_worker(rank, world_size):
     """Each rank's loss on its own shard, and the mean over ranks (what should be logged)."""
     import torch.nn.functional as F
+
     from .data import make_dataset
     from .models import make_mlp
     x, y = make_dataset(64 * world_size, seed=9).tensors

@@ -20,7 +20,8 @@ def compare_with_library(rank, world_size):
             x = (torch.randn(size, generator=g) * 1000).to(dtype)
             total = x.clone()
             dist.all_reduce(total)
-            mean = total / world_size if dtype.is_floating_point else torch.div(total, world_size, rounding_mode="floor")
+            mean = (total / world_size if dtype.is_floating_point
+                    else torch.div(total, world_size, rounding_mode="floor"))
             for name in HAND_WRITTEN:
                 for op, want in (("sum", total), ("avg", mean)):
                     got = allreduce.IMPLEMENTATIONS[name](x.clone(), op=op)

@@ -1,16 +1,16 @@
 """Hand-written data parallelism and MiniDDP equal torch DDP and one process on the global batch."""
 import os
+import pickle
 
 import pytest
 import torch
 
 from course_lib import checkpoint, viz
-from course_lib.data_parallel import ddp_features, measure, training
 from course_lib.data import make_dataset
-from course_lib.models import WithExtras, make_mlp
-from course_lib.data_parallel import MiniDDP
-from course_lib.launch import RankError, run
+from course_lib.data_parallel import MiniDDP, ddp_features, measure, training
 from course_lib.data_parallel.training import TrainConfig, max_difference
+from course_lib.launch import RankError, run
+from course_lib.models import WithExtras, make_mlp
 
 TOL = 1e-5
 
@@ -94,7 +94,7 @@ def test_checkpoint_from_rank_0_loads_everywhere(tmp_path):
 def test_atomic_save_keeps_the_old_checkpoint_when_a_save_fails(tmp_path):
     path = tmp_path / "ckpt.pt"
     checkpoint.save_atomic({"step": 1, "w": torch.ones(3)}, path)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.PicklingError):
         checkpoint.save_atomic({"step": 2, "bad": lambda: None}, path)  # cannot be pickled: fails mid-save
     assert checkpoint.load(path)["step"] == 1
     assert os.listdir(tmp_path) == ["ckpt.pt"]

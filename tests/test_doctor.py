@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 from conftest import env_with_path
+
 from course_lib import course_map, doctor
 
 

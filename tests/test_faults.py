@@ -1,6 +1,7 @@
 """Broken on purpose: every hang ends as a clear error in time, with no process left; kills never corrupt
 an atomic checkpoint; the pitfall demos show what they claim."""
 import socket
+
 import pytest
 
 from course_lib import checkpoint, faults
@@ -86,6 +87,6 @@ def test_pitfall_demos_show_what_they_claim():
     assert distinct("noise_same") == 1 and distinct("noise_per_rank") == 3
     assert distinct("init_same") == 1 and distinct("init_per_rank") == 3
     losses = run(faults.loss_logging_worker, 4, backend="gloo", show_output=False)
-    mean = sum(l["local"] for l in losses) / 4
-    assert all(abs(l["mean"] - mean) < 1e-6 for l in losses) and len({l["local"] for l in losses}) == 4
+    mean = sum(loss["local"] for loss in losses) / 4
+    assert all(abs(loss["mean"] - mean) < 1e-6 for loss in losses) and len({loss["local"] for loss in losses}) == 4
     assert all(t > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo", show_output=False))

@@ -12,7 +12,8 @@ def fake_gpus(monkeypatch, n, nccl=True):
 
 def test_detection_is_consistent():
     assert hardware.cpu_count() >= 1
-    assert hardware.gpu_count() == len(hardware.gpus()) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert hardware.gpu_count() == len(hardware.gpus()) == visible
     assert hardware.backends()["gloo"] is True
     v = hardware.versions()
     assert v["torch"] == torch.__version__ and v["python"].count(".") == 2

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import env_with_path, wait_gone
 
 from course_lib import hardware, launch
 from course_lib.launch import RankDiedError, RankError, RunTimeoutError, run
-from conftest import env_with_path, wait_gone
 
 
 def test_results_in_rank_order_with_args_closures_and_lambdas(no_leftovers):

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from course_lib import memory
-from course_lib.models import mlp
 from course_lib.model_parallel import PipelinedSplit, same_outputs_and_grads, split_model
+from course_lib.models import mlp
 from course_lib.viz.widgets import MemoryCalculator
 
 

@@ -14,7 +14,8 @@ from course_lib.viz.widgets import ScheduleExplorer
 def test_schedules_are_complete_and_the_simulated_bubble_is_the_formula(kind, stages, micro_batches):
     plan = P.schedule(kind, stages, micro_batches)
     for ops in plan:
-        assert sorted(ops) == sorted([("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)])
+        every = [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
+        assert sorted(ops) == sorted(every)
         assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(micro_batches))
     sim = P.simulate(kind, stages, micro_batches)
     assert sim["bubble"] == pytest.approx(P.bubble_formula(stages, micro_batches))

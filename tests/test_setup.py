@@ -60,12 +60,22 @@ def test_readme_course_map_is_the_generated_one():
     assert block.group(1).strip() == course_map.markdown_table().strip(), "run: python -m course_lib map"
 
 
-def test_ci_runs_readmes_test_command():
+def test_ci_runs_readmes_lint_and_test_commands():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
-    assert "make test    #" in readme and "make lab     #" in readme
-    assert re.search(r"^make test\b", ci, re.M)
-    assert 'TORCH="torch==2.13.0"' in ci  # the CPU build, not a multi-GB CUDA download
-    assert "make test" in (ROOT / ".github" / "workflows" / "test.yml").read_text()
+    assert "make test    #" in readme and "make lab     #" in readme and "make lint" in readme
+    assert re.search(r"^make lint\b", ci, re.M) and re.search(r"^make test\b", ci, re.M)
+    assert re.search(r'TORCH="torch==[0-9.]+"', ci)  # a pinned CPU build, not a multi-GB CUDA download
+    workflow = (ROOT / ".github" / "workflows" / "test.yml").read_text()
+    assert "make test" in workflow and "ruff check" in workflow
+
+
+def test_the_workflow_tests_the_oldest_python_and_torch_we_claim():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest_python = re.fullmatch(r">=(\d+\.\d+)", project["requires-python"]).group(1)
+    oldest_torch = next(re.fullmatch(r"torch>=(\d+\.\d+)", r).group(1) for r in runtime_requirements()
+                        if r.startswith("torch"))
+    workflow = (ROOT / ".github" / "workflows" / "test.yml").read_text()
+    assert f'python: "{oldest_python}", torch: "torch=={oldest_torch}.*"' in workflow
 
 
 def test_every_notebook_is_in_the_map_and_committed_without_outputs():

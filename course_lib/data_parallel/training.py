@@ -40,7 +40,7 @@ class TrainConfig:
     drop_last: bool = False
     seed: int = 0
 
-    def with_(self, **changes) -> "TrainConfig":
+    def with_(self, **changes) -> TrainConfig:
         return replace(self, **changes)
 
 

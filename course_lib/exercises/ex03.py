@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data import make_dataset
-from ..models import make_mlp
 from ..data_parallel import average_gradients  # noqa: F401 (the reference solution)
+from ..models import make_mlp
 from . import passed, run_attempt, wrong
 
 

@@ -185,7 +185,8 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
             life_r, life_w = ctx.Pipe(duplex=False)
             child_globals = {"SYS_PATH": list(sys.path), "SPEC": cloudpickle.dumps(spec),
                              "CONN": result_w, "LIFELINE": life_r}
-            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"{RANK_PROCESS_PREFIX}{rank}", daemon=True)
+            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"{RANK_PROCESS_PREFIX}{rank}",
+                               daemon=True)
             with _without_main_module():
                 proc.start()
             result_w.close()

@@ -194,7 +194,8 @@ class Trainer:
         self.amp = args.amp == "bf16" or (args.amp == "auto" and ctx.device.type == "cuda")
         self.epochs_run, self.losses = 0, []
         if args.crash_at_epoch is not None and not 0 <= args.crash_rank < ctx.world_size:
-            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job (0..{ctx.world_size - 1})")
+            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job "
+                             f"(0..{ctx.world_size - 1})")
         if args.checkpoint and os.path.exists(args.checkpoint):
             self._load_snapshot()
 
@@ -217,7 +218,8 @@ class Trainer:
             self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
         except Exception as e:                             # not ours, damaged, or another model's shape
             raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
-                             f"recipe wrote with the same --hidden ({self.args.hidden}) and --depth ({self.args.depth}):"
+                             f"recipe wrote with the same --hidden ({self.args.hidden}) and "
+                             f"--depth ({self.args.depth}):"
                              f" rerun with the options it was written with, or move it away to start afresh.") from e
         self.log(f"resumed from {self.args.checkpoint} after {self.epochs_run} epoch(s)")
 
@@ -258,7 +260,8 @@ class Trainer:
             self.epochs_run = epoch + 1
             self.log(f"epoch {epoch + 1}/{self.args.epochs}: loss {loss:.4f} (mean over {self.ctx.world_size} ranks), "
                      f"{seen / (time.perf_counter() - t0):.0f} samples/s")
-            if self.args.checkpoint and (self.epochs_run % self.args.save_every == 0 or self.epochs_run == self.args.epochs):
+            due = self.epochs_run % self.args.save_every == 0 or self.epochs_run == self.args.epochs
+            if self.args.checkpoint and due:
                 self._save_snapshot()
         state = self.model.module.state_dict()
         if self.args.out and self.ctx.rank == 0:

@@ -69,7 +69,8 @@ def draw_barrier(times: list[tuple[float, float]]):
     for rank, (arrive, leave) in enumerate(times):
         y = len(times) - 1 - rank
         ax.barh(y, arrive, color=rank_color(rank), alpha=0.5, label="working" if rank == 0 else None)
-        ax.barh(y, leave - arrive, left=arrive, color="0.8", hatch="//", label="waiting in barrier" if rank == 0 else None)
+        ax.barh(y, leave - arrive, left=arrive, color="0.8", hatch="//",
+                label="waiting in barrier" if rank == 0 else None)
     ax.axvline(max(a for a, _ in times), color="k", lw=1, ls="--", label="last rank arrives")
     ax.set_yticks(range(len(times)), [f"rank {r}" for r in reversed(range(len(times)))])
     ax.set_xlabel("seconds")

@@ -7,8 +7,9 @@ import matplotlib.pyplot as plt
 def draw_pipeline(times: list[list[tuple]], title: str, unit: str = "s"):
     """Gantt chart of a pipeline: one row per stage, forward ops blue, backward ops green, labelled by micro-batch.
 
-    ``times[stage]`` is a list of ``(op, micro_batch, start, end)``; works for :func:`course_lib.pipeline_parallel.simulate`
-    output and for timelines measured by :func:`course_lib.pipeline_parallel.pipeline_worker` alike.
+    ``times[stage]`` is a list of ``(op, micro_batch, start, end)``; works for the output of
+    :func:`course_lib.pipeline_parallel.simulate` and for timelines measured by
+    :func:`course_lib.pipeline_parallel.pipeline_worker` alike.
     """
     stages = len(times)
     fig, ax = plt.subplots(figsize=(10, 0.55 * stages + 1.2))

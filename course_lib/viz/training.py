@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
+
 from ..data_parallel.training import sampler_shards
 from .style import rank_color
 
