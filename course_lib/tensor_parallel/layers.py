@@ -35,7 +35,7 @@ def shard_range(size: int, rank: int, world_size: int, what: str = "size") -> sl
     """
     if size % world_size:
         raise ValueError(f"{what} {size} does not divide by the {world_size} ranks of the group: "
-                         f"pick a {what} that is a multiple of {world_size}, or use fewer ranks")
+                         f"make {what} a multiple of {world_size}, or use a group whose size divides it")
     part = size // world_size
     return slice(rank * part, (rank + 1) * part)
 
