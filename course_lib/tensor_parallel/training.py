@@ -13,6 +13,7 @@ Each returns the loss of every step (the global batch's mean) and the weights, t
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..data import make_token_dataset
@@ -23,11 +24,15 @@ from .dtensor import full, local, parallelize, transformer_plan
 LAYOUTS = ("tp", "dtensor", "2d")
 
 
-def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2):
-    """The model for ``layout`` on this rank, the data-parallel coordinate and group, and the mesh (or None)."""
+def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=None):
+    """The model for ``layout`` on this rank, the data-parallel coordinate and group, and the mesh (or None).
+
+    ``model``: the full model to split (by default the one of ``cfg``, the same on every rank).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = transformer(cfg.model, seed=cfg.seed)      # the same full model on every rank, then split
+    if model is None:
+        model = transformer(cfg.model, seed=cfg.seed)      # the same full model on every rank, then split
     if layout == "tp":
         return tensor_parallel_transformer(model, seed=cfg.seed), 0, 1, None, None
     if layout == "dtensor":
@@ -86,3 +91,20 @@ def train_worker(rank: int, world_size: int, cfg: LMTrainConfig, layout: str = "
         state = {k: full(v).detach().clone() for k, v in model.state_dict().items()}   # a collective: every rank
         out["state"] = state if rank == 0 else None
     return out
+
+
+def holdings_worker(rank: int, world_size: int, cfg: LMTrainConfig, names: list[str], tp: int = 2) -> dict:
+    """Which elements of each weight in ``names`` this rank holds in the 2-D layout.
+
+    Every weight is set to its own element indices (``arange``) before the model is split, so the values of
+    this rank's shard name the elements it holds: ``{name: (full shape, local values)}``.
+    """
+    model = transformer(cfg.model, seed=cfg.seed)
+    shapes = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shapes[name] = tuple(p.shape)
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).view_as(p))
+    model = build(cfg, "2d", world_size, tp, model)[0]
+    params = dict(model.named_parameters())
+    return {name: (shapes[name], local(params[name]).detach().clone()) for name in names}
