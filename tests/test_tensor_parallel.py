@@ -216,3 +216,70 @@ def test_dropout_rule_replicated_masks_agree_sharded_masks_differ(no_leftovers):
     assert torch.equal(shared[0]["sharded"], shared[1]["sharded"])     # one generator: rank 1's heads copy rank 0's
     apart = run(dropout_worker, 2, 0.5, False, True, backend="gloo", show_output=False)
     assert not torch.equal(apart[0]["output"], apart[1]["output"])     # different seeds: the copies drift apart
+
+
+def test_sequence_parallelism_shards_the_layernorm_and_dropout_activations():
+    from course_lib.tensor_parallel.sequence import activation_worker
+    cfg = SMALL.with_(dropout=0.1)
+    tp_saved = run(activation_worker, 2, cfg, False, backend="gloo", show_output=False)[0]
+    sp_saved = run(activation_worker, 2, cfg, True, backend="gloo", show_output=False)[0]
+    b, s = 2, cfg.seq_len
+    stats = lambda saved, seq: [x for x in saved if x.shape == (b, seq, 1)]  # noqa: E731  LayerNorm mean, 1/std
+    assert len(stats(tp_saved, s)) == 4 and stats(sp_saved, s) == []
+    assert len(stats(sp_saved, s // 2)) == 4
+    assert sum(x.nbytes for x in sp_saved) < sum(x.nbytes for x in tp_saved)
+
+
+def test_saved_tensors_counts_each_storage_once_and_skips_parameters():
+    from course_lib.memory import saved_bytes, saved_tensors
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    _, saved = saved_tensors(lambda t: torch.tanh(lin(t)), x, exclude=list(lin.parameters()))
+    assert sorted(s.nbytes for s in saved) == [4 * 8 * 4] * 2   # the input (for the weight grad), tanh output
+    assert saved_bytes(lambda t: (t * t).sum(), x) == 4 * 8 * 4           # x saved twice, one storage
+
+
+def test_pictures_show_who_holds_what():
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.tensor_parallel.dtensor import placements_worker
+    from course_lib.tensor_parallel.training import holdings_worker
+    from course_lib.viz.tensor_parallel import draw_holdings, draw_local_parts, draw_matmul_split, holders
+
+    for kind in ("column", "row"):
+        texts = [t.get_text() for t in draw_matmul_split(kind, 2).axes[0].texts]
+        assert "r0" in texts and "r1" in texts
+    with pytest.raises(ValueError, match="column"):
+        draw_matmul_split("diagonal")
+    parts = run(placements_worker, 2, backend="gloo", show_output=False)
+    whole = torch.arange(16.0).view(4, 4)
+    assert torch.equal(torch.cat([p["placements"]["Shard(0)"] for p in parts]), whole)
+    assert torch.equal(torch.cat([p["placements"]["Shard(1)"] for p in parts], 1), whole)
+    assert torch.equal(sum(p["placements"]["Partial()"] for p in parts), whole)
+    moves = parts[0]["redistribute"]
+    assert [moves[k][1] for k in moves] == [["all-gather"], ["all-reduce"], ["reduce-scatter"], []]
+    assert torch.equal(moves["Partial() → Replicate()"][0], whole)
+    fig = draw_local_parts({"Shard(0)": ("Shard", [p["placements"]["Shard(0)"] for p in parts])})
+    assert [t.get_text() for t in fig.axes[1].texts][:4] == ["8", "9", "10", "11"]
+
+    cfg = LMTrainConfig(model=TransformerConfig(vocab=8, seq_len=8, dim=4, heads=2, layers=1, hidden=8))
+    names = ["blocks.0.mlp.up.weight", "blocks.0.mlp.down.weight", "tok_emb.weight"]
+    held = run(holdings_worker, 4, cfg, names, backend="gloo", show_output=False)
+    weights = {n: (held[0][n][0], [h[n][1] for h in held]) for n in names}
+    up = holders(weights[names[0]][1], 32)               # (8, 4): TP splits the rows, FSDP2 each half again
+    assert [up[4 * row][0] for row in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    down = holders(weights[names[1]][1], 32)             # (4, 8): TP splits the columns, FSDP2 the rows
+    assert [down[i] for i in (0, 4, 16, 20)] == [[0], [1], [2], [3]]
+    assert all(h in ([0, 1], [2, 3]) for h in holders(weights[names[2]][1], 32))   # FSDP2 only: pairs share
+    assert len(draw_holdings(weights).axes) == 4
+
+
+def test_the_benchmark_worker_times_both_versions():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tp_vs_dtensor.py")
+    spec = importlib.util.spec_from_file_location("tp_vs_dtensor", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = run(bench.worker, 2, 32, 256, 2, 1, backend="gloo", show_output=False)[0]
+    assert set(times) == {"from scratch", "parallelize_module"} and all(t > 0 for t in times.values())

@@ -59,3 +59,23 @@ def split_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
 def join_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """The whole sequence from every rank's slice, ahead of a *column-parallel* layer (backward: reduce-scatter)."""
     return gather_sequence(x, 1, group)
+
+
+def activation_worker(rank: int, world_size: int, cfg, sequence_parallel: bool, batch: int = 2,
+                      seed: int = 0) -> list:
+    """The activations one split block keeps for backward on this rank (tensor parallel, with or without
+    sequence parallelism), measured by :func:`course_lib.memory.saved_tensors`."""
+    from .. import hardware
+    from ..memory import saved_tensors
+    from ..models.transformer import Block
+
+    device = hardware.rank_device()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel, seed=seed).to(device)
+    x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
+    if sequence_parallel:
+        x = x.chunk(world_size, 1)[rank].contiguous()
+    x.requires_grad_()
+    _, saved = saved_tensors(block, x, exclude=list(block.parameters()))
+    return saved
