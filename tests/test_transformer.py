@@ -22,7 +22,7 @@ def test_shapes_and_parameter_count():
     logits = model(torch.randint(16, (3, 12)))
     assert logits.shape == (3, 12, 16)
     assert model(torch.randint(16, (2, 5))).shape == (2, 5, 16)   # shorter sequences work too
-    per_block = 4 * (32 * 32 + 32) + (32 * 64 + 64) + (64 * 32 + 32) + 2 * (2 * 32)
+    per_block = 4 * 32 * 32 + 3 * 32 + (32 * 64 + 64) + (64 * 32 + 32) + 2 * (2 * 32)
     expected = 16 * 32 + 12 * 32 + 2 * per_block + 2 * 32 + 32 * 16
     assert sum(p.numel() for p in model.parameters()) == expected
 
@@ -46,7 +46,7 @@ def test_blocks_work_alone_and_attention_equals_pytorchs():
     ref = nn.MultiheadAttention(8, 2, batch_first=True)
     with torch.no_grad():  # the same weights in PyTorch's own attention: the same result
         ref.in_proj_weight.copy_(torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]))
-        ref.in_proj_bias.copy_(torch.cat([attn.q.bias, attn.k.bias, attn.v.bias]))
+        ref.in_proj_bias.copy_(torch.cat([attn.q.bias, torch.zeros(8), attn.v.bias]))  # k has no bias
         ref.out_proj.weight.copy_(attn.out.weight)
         ref.out_proj.bias.copy_(attn.out.bias)
     mask = torch.ones(6, 6, dtype=torch.bool).triu(1)
@@ -54,6 +54,7 @@ def test_blocks_work_alone_and_attention_equals_pytorchs():
     torch.testing.assert_close(attn(x), expected)
     without_bias = CausalSelfAttention(8, 2, bias=False)
     assert all(m.bias is None for m in (without_bias.q, without_bias.k, without_bias.v, without_bias.out))
+    assert CausalSelfAttention(8, 2).k.bias is None   # always: a key bias would get a zero gradient
 
 
 def test_built_from_a_seed_without_touching_the_callers_rng():

@@ -76,6 +76,10 @@ class CausalSelfAttention(nn.Module):
     Heads never look at each other: head ``h`` uses only columns ``h*head_dim .. (h+1)*head_dim`` of
     ``q``, ``k`` and ``v``, and only the matching rows of ``out``. That is what lets tensor parallelism
     give each rank whole heads.
+
+    ``k`` has no bias (as in Whisper): a bias on the keys adds ``q·b`` to every score of a query's row, and
+    softmax ignores a constant added to a row, so that bias would get a gradient of exactly zero; an
+    optimizer such as Adam would turn its rounding noise into full-size steps.
     """
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, bias: bool = True):
@@ -84,7 +88,7 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"dim={dim} does not divide into heads={heads}")
         self.head_dim = dim // heads
         self.q = nn.Linear(dim, dim, bias=bias)
-        self.k = nn.Linear(dim, dim, bias=bias)
+        self.k = nn.Linear(dim, dim, bias=False)   # see the docstring
         self.v = nn.Linear(dim, dim, bias=bias)
         self.out = nn.Linear(dim, dim, bias=bias)
         self.attn_dropout = nn.Dropout(dropout)
@@ -175,6 +179,7 @@ class LMTrainConfig:
     steps: int = 20
     batch_size: int = 16   # the global batch: data-parallel ranks each take an equal slice of it
     lr: float = 3e-3
+    optimizer: str = "adamw"   # or "sgd" (with momentum 0.9): see make_optimizer
     n: int = 512           # sequences in the data set
     seed: int = 0
 
@@ -189,8 +194,18 @@ def batch_indices(cfg: LMTrainConfig) -> list[torch.Tensor]:
 
 
 def make_optimizer(params, cfg: LMTrainConfig) -> torch.optim.Optimizer:
-    """AdamW, the transformer's usual optimizer (no weight decay here, to keep the comparison plain)."""
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    """AdamW (no weight decay), the transformer's usual optimizer, or SGD with momentum.
+
+    To compare two layouts' *weights*, use SGD: a weight then differs by the learning rate times the
+    difference of the gradients, a direct measure of the parallel arithmetic. Adam divides each gradient by
+    its running size, so an element whose gradient is nearly zero (1e-9) moves by a sizeable fraction of the
+    learning rate in a direction set by rounding noise: equal losses, weights equal only to ~1e-4.
+    """
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use 'adamw' or 'sgd'")
 
 
 def train_reference(cfg: LMTrainConfig | None = None) -> dict:
