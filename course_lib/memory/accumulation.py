@@ -1,0 +1,86 @@
+"""Gradient accumulation against a larger micro-batch: the same gradients, less activation memory, more time.
+
+A batch of B sequences split into k micro-batches of B/k, each loss divided by k and backpropagated in turn
+(the gradients add up in ``.grad``), gives the gradient of the whole batch: one optimizer step, the same
+result. What changes:
+
+* **memory**: only one micro-batch's activations are alive at a time, so activation bytes fall k-fold (the
+  weights, gradients and optimizer states do not change);
+* **time**: k smaller passes instead of one big one; each operator's fixed cost (Python, kernel launches)
+  is paid k times and small matrix products run less efficiently, so a step takes longer;
+* **communication** (notebook 03's ``no_sync``): DDP all-reduces the gradients after every backward unless
+  the backward runs inside ``with model.no_sync():``. Accumulating k micro-batches with ``no_sync`` on all
+  but the last sends the gradients once per step; without it, k times.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch.distributed as dist
+
+from .activations import held_bytes
+
+
+def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits=(1, 2, 4, 8), rounds: int = 3,
+                        seed: int = 0) -> dict:
+    """For each k in ``splits``: the rank's ``batch // world_size`` sequences as k micro-batches under DDP.
+    Returns per k: activation bytes held by one micro-batch's forward, the largest difference of the
+    accumulated gradients from k = 1's, the bytes all-reduced per step with and without ``no_sync``, and the
+    median seconds per step (the k's alternate, round after round)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..data import make_token_dataset
+    from ..hardware import rank_device, synchronize
+    from ..models.transformer import lm_loss, transformer
+    from ..precision.wire import WireLog
+
+    device = rank_device()
+    per_rank = batch // world_size
+    if per_rank % max(splits):
+        raise ValueError(f"each rank's {per_rank} sequences must divide into {max(splits)} micro-batches")
+    x, y = make_token_dataset(batch, cfg.seq_len, cfg.vocab, seed=seed).tensors
+    x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)
+    model = DDP(transformer(cfg, seed=seed).to(device))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)   # DDP's all-reduce, from Python: countable
+
+    def step(k: int, sync_every_micro_batch: bool = False) -> None:
+        model.zero_grad(set_to_none=True)
+        for i, (xb, yb) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            last = i == k - 1
+            quiet = model.no_sync() if not (last or sync_every_micro_batch) else contextlib.nullcontext()
+            with quiet:
+                (lm_loss(model(xb), yb) / k).backward()
+
+    def lm_loss_of(m, xb, yb):
+        return lm_loss(m(xb), yb)
+
+    out = {}
+    for k in splits:
+        micro = per_rank // k
+        _, held = held_bytes(lm_loss_of, model.module, x[:micro], y[:micro])
+        bytes_sent = {}
+        for every in (False, True):
+            log = WireLog()
+            with log:
+                step(k, sync_every_micro_batch=every)
+            bytes_sent["every micro-batch" if every else "no_sync"] = sum(r.nbytes for r in log.records)
+        grads = [p.grad.clone() for p in model.parameters()]
+        out[k] = {"micro_batch": micro, "activation_bytes": held.total, "bytes_all_reduced": bytes_sent,
+                  "grads": grads, "seconds": []}
+    reference = out[splits[0]]["grads"]
+    for k in splits:
+        out[k]["max_grad_difference"] = max((a - b).abs().max().item() for a, b in zip(out[k].pop("grads"), reference))
+    for _ in range(rounds):
+        for k in splits:
+            dist.barrier()
+            synchronize(device)
+            t0 = time.perf_counter()
+            step(k)
+            synchronize(device)
+            out[k]["seconds"].append(time.perf_counter() - t0)
+    for k in splits:
+        out[k]["median_seconds"] = statistics.median(out[k].pop("seconds"))
+    return out
