@@ -1,0 +1,114 @@
+"""Precision: formats' ranges, bytes per parameter of each mixed-precision mode, fp16 underflow recovered by
+GradScaler (and overflow steps skipped), bf16 on the wire halving the bytes (counted) at a small cost."""
+import pytest
+import torch
+
+from course_lib.data import make_token_dataset
+from course_lib.launch import run
+from course_lib.memory import training_memory
+from course_lib.memory.activations import model_activation_bytes
+from course_lib.models import TransformerConfig, transformer
+from course_lib.precision import MasterWeights, build, bytes_per_parameter, cast_losses, format_table
+from course_lib.precision.scaling import scaler_run, underflow_report
+from course_lib.precision.wire import ddp_compress_worker, fsdp_reduce_dtype_worker, refusal_on_this_build
+
+CFG = TransformerConfig()
+
+
+def test_format_table_ranges():
+    t = format_table()
+    assert t["fp16"]["largest"] == 65504 and t["fp16"]["smallest subnormal"] == 2.0**-24
+    assert t["bf16"]["smallest normal"] == t["fp32"]["smallest normal"]          # bf16 has fp32's range
+    assert (t["bf16"]["exponent bits"], t["bf16"]["mantissa bits"]) == (8, 7)
+    assert (t["fp16"]["exponent bits"], t["fp16"]["mantissa bits"]) == (5, 10)
+    x = torch.tensor([1e-9, 2e-8, 1.0, 7e4, 1e30])    # below half of 2^-24 rounds to 0
+    assert cast_losses(x, torch.float16) == {"underflow": 2, "overflow": 2, "max_relative_error": 0.0}
+    bf = cast_losses(x, torch.bfloat16)
+    assert bf["underflow"] == bf["overflow"] == 0 and 0 < bf["max_relative_error"] <= 2.0**-8
+
+
+def test_bytes_per_parameter_of_each_mode_reconcile_with_the_arithmetic():
+    tokens, targets = make_token_dataset(4, CFG.seq_len, CFG.vocab).tensors
+    model = transformer(CFG)
+    n = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    r = {mode: bytes_per_parameter(mode, transformer(CFG), tokens, targets) for mode in ("fp32", "autocast",
+                                                                                       "master", "bf16")}
+    assert r["fp32"]["per_parameter"]["total"] == 16 == training_memory(n, "fp32")["total"] / n
+    assert r["autocast"]["per_parameter"]["total"] == 16                       # autocast keeps fp32 state
+    assert r["autocast"]["per_parameter"]["autocast weight copies (forward to backward)"] == 2 * linear / n
+    master = r["master"]["per_parameter"]
+    arithmetic = training_memory(n, "bf16")
+    assert master["total"] * n == arithmetic["total"]                          # notebook 05's 16 bytes
+    assert master["weights"] * n == arithmetic["weights"] and master["fp32 master weights"] == 4
+    assert r["bf16"]["per_parameter"]["total"] == 8
+    assert r["autocast"]["activation_bytes"] < r["fp32"]["activation_bytes"]
+    inputs = 2 * 8 * 4 * CFG.seq_len                     # tokens and targets (int64) existed before the forward
+    assert r["fp32"]["activation_bytes"] == model_activation_bytes(CFG, 4)["total"] - inputs + 4   # + the loss
+    # a bf16 model: the same table in 2 bytes (the loss and its weight total are 2-byte scalars: 2 + 2 = 4)
+    assert r["master"]["activation_bytes"] == model_activation_bytes(CFG, 4, dtype_bytes=2)["total"] - inputs
+
+
+def test_master_weights_step_like_fp32_adam_and_bf16_alone_loses_updates():
+    model, opt, _ = build("master", transformer(CFG), lr=1e-3)
+    assert isinstance(opt, MasterWeights) and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    tokens = torch.randint(32, (4, 32))
+    from course_lib.models import lm_loss
+    lm_loss(model(tokens), tokens).float().backward()
+    opt.step()
+    assert all(m.dtype == torch.float32 and m.grad is None for m in opt.masters)
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), opt.masters))
+    with pytest.raises(ValueError, match="unknown precision mode"):
+        build("fp8", transformer(CFG))
+
+
+def test_grad_scaler_recovers_the_gradients_fp16_zeroes():
+    tokens, targets = make_token_dataset(8, CFG.seq_len, CFG.vocab).tensors
+    r = underflow_report(CFG, tokens, targets, loss_factor=1e-3)
+    assert r["fp16"]["zeroed"] > 0.05 * r["elements"] and r["fp16"]["relative_error"] > 0.1
+    assert r["fp16, loss scaled"]["zeroed"] == 0 and r["fp16, loss scaled"]["relative_error"] < 2e-3
+    assert r["bf16"]["zeroed"] == 0 and r["bf16"]["relative_error"] < 2e-2
+
+
+def test_grad_scaler_skips_overflow_steps_halves_and_grows_the_scale():
+    r = scaler_run(CFG, steps=16, batch=4, init_scale=2.0**24, growth_interval=3)
+    assert r["skipped"][0]                                   # 2^24 overflows fp16 at once
+    clean, grew = 0, 0
+    for i, skipped in enumerate(r["skipped"]):               # GradScaler's rule, step by step
+        after = r["scale"][i + 1] if i + 1 < len(r["scale"]) else r["final_scale"]
+        clean = 0 if skipped else clean + 1
+        if skipped:
+            expected = r["scale"][i] / 2                     # weights unchanged and the scale halved
+        elif clean == 3:
+            expected, clean, grew = r["scale"][i] * 2, 0, grew + 1
+        else:
+            expected = r["scale"][i]
+        assert after == expected, (i, r["scale"], r["skipped"])
+    assert grew >= 1 and not all(r["skipped"])
+
+
+def test_bf16_compress_hook_halves_the_bytes_at_a_small_gradient_error():
+    r = run(ddp_compress_worker, 2, CFG, 3, 8, backend="gloo", show_output=False)
+    for rank in r:
+        fp32, bf16 = rank["fp32"], rank["bf16"]
+        assert [k for k, _ in fp32["collectives"]] == ["all-reduce"] * len(fp32["collectives"])
+        assert sum(b for _, b in fp32["collectives"]) == 4 * fp32["params"]
+        assert sum(b for _, b in bf16["collectives"]) * 2 == sum(b for _, b in fp32["collectives"])
+        assert fp32["gradient_error"] < 1e-6 < bf16["gradient_error"] < 2.0**-7
+        assert abs(fp32["losses"][-1] - bf16["losses"][-1]) < 0.05
+    refusal = run(_refusal, 1, backend="gloo", show_output=False)[0]
+    if torch.version.cuda is None:
+        assert "NCCL" in refusal                       # a CPU build refuses the hook by its name
+
+
+def _refusal(rank, world_size):
+    return refusal_on_this_build()
+
+
+def test_fsdp2_reduce_dtype_bf16_halves_the_reduce_scatter_bytes():
+    r = run(fsdp_reduce_dtype_worker, 2, CFG, backend="gloo", show_output=False)[0]
+    rs = {dt: sum(b for k, b, _ in v["collectives"] if k == "reduce-scatter") for dt, v in r.items()}
+    ag = {dt: sum(b for k, b, _ in v["collectives"] if k == "all-gather") for dt, v in r.items()}
+    assert rs["float32"] == 2 * rs["bfloat16"] > 0 and ag["float32"] == ag["bfloat16"] > 0
+    assert r["float32"]["grad_dtype"] == r["bfloat16"]["grad_dtype"] == "float32"   # shards step in fp32
+    assert 0 < r["bfloat16"]["error_vs_first"] < 2.0**-7
