@@ -33,8 +33,10 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 def chromium_path() -> str | None:
-    return os.environ.get("CHROMIUM") or next(
-        filter(None, map(shutil.which, ("chromium", "google-chrome", "google-chrome-stable"))), None)
+    """$CHROMIUM if set, else the first of Debian's chromium and Google Chrome (GitHub's runners) on the PATH."""
+    if "CHROMIUM" in os.environ:
+        return shutil.which(os.environ["CHROMIUM"])
+    return next(filter(None, map(shutil.which, ("chromium", "google-chrome", "google-chrome-stable"))), None)
 
 
 @pytest.fixture(scope="module")
