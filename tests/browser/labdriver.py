@@ -45,7 +45,7 @@ def widget_classes(package: Path = ROOT / "course_lib") -> set[str]:
 
 def widget_notebooks(folder: Path = ROOT / "notebooks") -> list[Path]:
     """The notebooks whose code uses a course_lib widget class or ipywidgets itself: the ones to open."""
-    pattern = re.compile(r"\b(%s|ipywidgets)\b" % "|".join(sorted(widget_classes())))
+    pattern = re.compile(r"\b({}|ipywidgets)\b".format("|".join(sorted(widget_classes()))))
     found = []
     for path in sorted(folder.glob("*.ipynb")):
         code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")

@@ -93,7 +93,7 @@ def shown_matches(shown, kernel: dict, kind: str) -> bool:
     value = kernel["value"]
     if kernel.get("label") is not None:
         return shown == kernel["label"]
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return shown == value
     if kind == "text":
         return shown != "" and float(shown) == float(value)

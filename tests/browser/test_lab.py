@@ -13,16 +13,25 @@ are kept in ``.browser-artifacts/`` (or ``$BROWSER_ARTIFACTS``). Run alone: ``py
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-
 from labdriver import ROOT, JupyterLab, KernelProbe, widget_classes, widget_notebooks
-from labpage import (DISPLAY, MARK_ROOTS, READ_CONTROLS, move, run_all_from_menu, save_from_menu, shown_matches,
-                     wait_display_changed, wait_run_all_done)
+from labpage import (
+    DISPLAY,
+    MARK_ROOTS,
+    READ_CONTROLS,
+    move,
+    run_all_from_menu,
+    save_from_menu,
+    shown_matches,
+    wait_display_changed,
+    wait_run_all_done,
+)
 
 REQUIRED = os.environ.get("COURSE_BROWSER_TEST") == "required"
 ARTIFACTS = Path(os.environ.get("BROWSER_ARTIFACTS", ROOT / ".browser-artifacts"))
@@ -86,7 +95,7 @@ def test_run_all_in_jupyterlab_and_use_every_widget(name, lab, browser):
     probe, spot = None, None
     try:
         page.goto(lab.url(name))
-        page.wait_for_selector(".jp-Notebook .jp-CodeCell")
+        page.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=90_000)
         lab.wait_idle(name, timeout=90)
         probe = KernelProbe(lab, name)
         run_all_from_menu(page)
@@ -118,7 +127,8 @@ def test_run_all_in_jupyterlab_and_use_every_widget(name, lab, browser):
             assert root.evaluate(DISPLAY).strip(), f"widget {i} shows nothing besides its controls"
             controls = root.evaluate(READ_CONTROLS)
             assert controls, f"widget {i} has no control"
-            assert not [c["description"] for c in controls if c["truncated"]], "a control's label is cut"
+            cut = [c["description"] for c in controls if c["truncated"]]
+            assert not cut, f"widget {i}: labels cut short in the page (give them room): {cut}"
             check_browser_equals_kernel(probe, model_id, controls, f"widget {i} as displayed")
             for control in controls:
                 before = root.evaluate(DISPLAY)
@@ -133,7 +143,8 @@ def test_run_all_in_jupyterlab_and_use_every_widget(name, lab, browser):
     finally:
         if probe:
             probe.close()
-        lab.shutdown_kernel(name)
+        with contextlib.suppress(OSError):     # a server that died has said why in the failure above
+            lab.shutdown_kernel(name)
         page.close()
 
 
