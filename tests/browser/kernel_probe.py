@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 
 from IPython import get_ipython
-from ipywidgets import ValueWidget
-from ipywidgets.widgets.widget import _instances
+from ipywidgets import ValueWidget, Widget
+
+try:
+    from ipywidgets.widgets.widget import _instances   # every live widget, by model id
+except ImportError:   # ipywidgets before 8.1
+    _instances = Widget.widgets
 
 _last: dict = {}
 _drift: list = []
