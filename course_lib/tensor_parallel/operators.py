@@ -90,7 +90,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()             # the collective works on dimension 0
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()   # contiguous: the layers after it share it instead of copying it
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -101,7 +101,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"the sequence length {front.shape[0]} does not divide by the {n} ranks of the group")
     out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class GatherFromSequenceRegion(torch.autograd.Function):
