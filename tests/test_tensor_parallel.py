@@ -149,6 +149,14 @@ def test_mlp_attention_and_block_equal_the_unsplit_ones(world_size, no_leftovers
             assert diffs[worst] < 1e-5, f"rank {rank}, {case}: {worst} differs by {diffs[worst]:.2e}"
 
 
+def test_bias_free_blocks_equal_the_unsplit_ones():
+    cases = [("block", layout, sp) for layout in ("scratch", "dtensor") for sp in (False, True)]
+    results = run(compare_worker, 2, cases, SMALL.with_(bias=False), backend="gloo", show_output=False)
+    for per_case in results:
+        for case, diffs in per_case.items():
+            assert len(diffs) == 2 + 10 and max(diffs.values()) < 1e-5, (case, diffs)   # 5 biases fewer
+
+
 def test_heads_must_divide_by_the_ranks():
     cfg = TransformerConfig(dim=12, heads=3, hidden=12, seq_len=4)
     with pytest.raises(RankError, match="3 heads do not divide by the 2 ranks"):
@@ -288,3 +296,24 @@ def test_the_benchmark_worker_times_both_versions():
     spec.loader.exec_module(bench)
     times = run(bench.worker, 2, 32, 256, 2, 1, backend="gloo", show_output=False)[0]
     assert set(times) == {"from scratch", "parallelize_module"} and all(t > 0 for t in times.values())
+
+
+def test_the_cost_model_counts_what_the_layers_send_and_prices_nodes_with_two_levels():
+    from course_lib.comm import costmodel
+    from course_lib.tensor_parallel import cost
+    # what section 4 of the notebook counts on real ranks, in bf16 at GPT-3 size
+    assert cost.layer_collectives(1, 2048, 12288) == [("all-reduce", 2048 * 12288 * 2, p)
+                                                      for p in ("forward", "forward", "backward", "backward")]
+    # forward: 2 FLOPs per multiply-add, 4h² (q, k, v, out) + 8h² (MLP) per token, 4·s·h for the attention
+    h, s = 64, 32
+    assert cost.layer_flops(1, s, h) == 3 * (2 * s * 12 * h * h + 4 * s * s * h)
+    act = 2048 * 12288 * 2
+    assert cost.allreduce_seconds(act, 8) == pytest.approx(costmodel.predict("ring", act, 8, *cost.NVLINK))
+    assert cost.allreduce_seconds(act, 16) == pytest.approx(
+        costmodel.predict_two_level(act, 8, 2, cost.NVLINK, cost.INFINIBAND))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cost.allreduce_seconds(act, 12)
+    one, eight = cost.layer_time(1, 2048, 12288, 1), cost.layer_time(1, 2048, 12288, 8)
+    assert one["comm"] == 0 and one["efficiency"] == 1
+    assert eight["compute"] == pytest.approx(one["compute"] / 8)
+    assert eight["efficiency"] == pytest.approx(eight["compute"] / (eight["compute"] + eight["comm"]))
