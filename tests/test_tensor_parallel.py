@@ -233,14 +233,16 @@ def test_dropout_rule_replicated_masks_agree_sharded_masks_differ(no_leftovers):
 
 def test_sequence_parallelism_shards_the_layernorm_and_dropout_activations():
     from course_lib.tensor_parallel.sequence import activation_worker
-    cfg = SMALL.with_(dropout=0.1)
-    tp_saved = run(activation_worker, 2, cfg, False, backend="gloo", show_output=False)[0]
-    sp_saved = run(activation_worker, 2, cfg, True, backend="gloo", show_output=False)[0]
-    b, s = 2, cfg.seq_len
+    b, s, d, n = 2, SMALL.seq_len, SMALL.dim, 2
+    kept = {sp: run(activation_worker, n, SMALL, sp, backend="gloo", show_output=False)[0] for sp in (False, True)}
     stats = lambda saved, seq: [x for x in saved if x.shape == (b, seq, 1)]  # noqa: E731  LayerNorm mean, 1/std
-    assert len(stats(tp_saved, s)) == 4 and stats(sp_saved, s) == []
-    assert len(stats(sp_saved, s // 2)) == 4
-    assert sum(x.nbytes for x in sp_saved) < sum(x.nbytes for x in tp_saved)
+    assert len(stats(kept[False], s)) == 4 and stats(kept[True], s) == [] and len(stats(kept[True], s // n)) == 4
+    total = {sp: sum(x.nbytes for x in saved) for sp, saved in kept.items()}
+    # the two LayerNorms' inputs (b, s, d) and statistics (4 of (b, s)) shrink to s/N positions; nothing else changes
+    assert total[False] - total[True] == (n - 1) / n * (2 * b * s * d + 4 * b * s) * 4
+    with_dropout = run(activation_worker, n, SMALL.with_(dropout=0.1), True, backend="gloo", show_output=False)[0]
+    masks = [x for x in with_dropout if x.dtype == "bool" and x.shape == (b, s // n, d)]
+    assert len(masks) == 2   # the residual dropouts' masks: a sequence slice each
 
 
 def test_saved_tensors_counts_each_storage_once_and_skips_parameters():
