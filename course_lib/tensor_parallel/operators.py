@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the single-tensor all-gather and reduce-scatter; 2.11 has only the old names.
+# torch 2.13 renamed the single-tensor all-gather and reduce-scatter (the old names warn);
+# releases before it may have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
