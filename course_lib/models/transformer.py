@@ -209,7 +209,8 @@ def make_optimizer(params, cfg: LMTrainConfig) -> torch.optim.Optimizer:
 
 
 def train_reference(cfg: LMTrainConfig | None = None) -> dict:
-    """One process trains the model on each step's global batch: ``{"losses": [...], "state": ...}``.
+    """One process trains the model on each step's global batch: the loss of every step, the final weights
+    (``state``) and the gradients of the first step (``first_grads``, before any optimizer step).
 
     Every parallel layout of the course (tensor, sequence, 2-D) must end where this ends.
     """
@@ -219,13 +220,16 @@ def train_reference(cfg: LMTrainConfig | None = None) -> dict:
     inputs, targets = make_token_dataset(cfg.n, cfg.model.seq_len, cfg.model.vocab, seed=cfg.seed).tensors
     model = transformer(cfg.model, seed=cfg.seed)
     opt = make_optimizer(model.parameters(), cfg)
-    losses = []
+    losses, first_grads = [], {}
     with torch.random.fork_rng(devices=[]):    # dropout's masks: from the seed, the caller's RNG untouched
         torch.manual_seed(cfg.seed)
         for idx in batch_indices(cfg):
             opt.zero_grad()
             loss = lm_loss(model(inputs[idx]), targets[idx])
             loss.backward()
+            if not first_grads:
+                first_grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
             opt.step()
             losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "first_grads": first_grads}

@@ -6,8 +6,13 @@
 * :mod:`.blocks`: the transformer's MLP and attention (split by heads), a block, the whole model.
 * :mod:`.sequence`: sequence parallelism around the split blocks.
 * :mod:`.random`: dropout masks that agree across ranks, or deliberately do not.
-* :mod:`.dtensor`: the same layouts with PyTorch's DTensor and ``parallelize_module``; the 2-D mesh.
+* :mod:`.dtensor`: the same layouts with PyTorch's DTensor and ``parallelize_module``; placements drawn.
 * :mod:`.comm`: the collectives a forward and backward issue, counted in bytes.
+* :mod:`.cost`: their price per layer with the α-β model and published GPU figures (why TP stays in a node).
+* :mod:`.check`: the proofs as workers: split blocks against unsplit ones, dropout masks across ranks.
+* :mod:`.training`: the small transformer trained split (from scratch, DTensor, a 2-D mesh with FSDP2).
+
+``column_parallel`` and ``row_parallel`` are the entry points; everything else builds on them.
 """
 from .blocks import (
     ParallelAttention,

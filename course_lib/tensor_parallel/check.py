@@ -97,7 +97,7 @@ def compare_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]
             fulls = dict(full.named_parameters())
             diffs.update({f"{k} grad": _max_diff(D.local_grad(p), _dtensor_slice(fulls[k].grad, p))
                           for k, p in part.named_parameters()})
-        results[kind, layout, sp] = diffs
+        results[kind, layout, sp] = diffs   # plain floats: they travel back from any device
     return results
 
 
@@ -114,22 +114,23 @@ def dropout_worker(rank: int, world_size: int, p: float = 0.5, same_global_seed:
     """
     cfg = cfg or TransformerConfig(seq_len=8)
     _, n = group_rank_and_size()
-    block = ParallelBlock(unsplit("block", cfg.with_(dropout=p), seed), seed=seed).train()
+    device = hardware.rank_device()
+    block = ParallelBlock(unsplit("block", cfg.with_(dropout=p), seed).to(device), seed=seed).train()
     if not sharded_masks_per_rank:
         block.attn.attn_dropout = nn.Dropout(p)
     masks: dict[str, list[torch.Tensor]] = {"sharded": [], "replicated": []}
 
     def record(name):
         def hook(module, inputs, output):
-            masks[name].append((output != 0) | (inputs[0] == 0))   # kept, or zero anyway
+            masks[name].append(((output != 0) | (inputs[0] == 0)).cpu())   # kept, or zero anyway
         return hook
 
     block.attn.attn_dropout.register_forward_hook(record("sharded"))
     block.attn.resid_dropout.register_forward_hook(record("replicated"))
     block.mlp.dropout.register_forward_hook(record("replicated"))
     torch.manual_seed(seed + (0 if same_global_seed else 1 + rank))
-    x = torch.randn(2, cfg.seq_len, cfg.dim, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(2, cfg.seq_len, cfg.dim, generator=torch.Generator().manual_seed(seed)).to(device)
     with torch.no_grad():
-        out = block(x)
+        out = block(x).cpu()
     return {"sharded": masks["sharded"][0], "replicated": masks["replicated"], "output": out,
             "heads": cfg.heads // n}

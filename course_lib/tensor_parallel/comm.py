@@ -11,6 +11,8 @@ output, the reduce-scatter's input), done as a ring as in notebook 02
 * all-reduce: 2(N-1)/N · n in 2(N-1) steps;
 * all-gather, reduce-scatter: each is one half of the ring all-reduce, (N-1)/N · n in N-1 steps.
 
+The α-β model of notebook 02 then prices each one (:func:`course_lib.comm.costmodel.predict`).
+
 That is why sequence parallelism's all-gather + reduce-scatter costs what tensor parallelism's all-reduce did.
 """
 from __future__ import annotations
@@ -44,14 +46,15 @@ def kind_of(op_name: str) -> str | None:
     return next((kind for key, kind in KINDS.items() if key in name), None)
 
 
+ALGORITHM = {"all-reduce": "ring", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter"}
+
+
 def ring_steps_and_bytes(kind: str, nbytes: int, world_size: int) -> tuple[float, float]:
     """(sequential messages, bytes each rank sends) of ``kind`` done as a ring on ``world_size`` ranks."""
-    steps, volume = steps_and_volume("ring", world_size)   # the all-reduce: 2(N-1) steps, 2(N-1)/N of n
-    if kind == "all-reduce":
-        return steps, volume * nbytes
-    if kind in ("all-gather", "reduce-scatter"):
-        return steps / 2, volume / 2 * nbytes
-    raise ValueError(f"unknown collective {kind!r}")
+    if kind not in ALGORITHM:
+        raise ValueError(f"unknown collective {kind!r}: use one of {list(ALGORITHM)}")
+    steps, volume = steps_and_volume(ALGORITHM[kind], world_size)
+    return steps, volume * nbytes
 
 
 def _tensors(obj):

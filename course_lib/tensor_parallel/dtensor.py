@@ -112,20 +112,22 @@ def placements_worker(rank: int, world_size: int, rows: int = 4, cols: int = 4) 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, distribute_tensor
 
+    from .. import hardware
     from .comm import CollectiveLog
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    whole = torch.arange(float(rows * cols)).view(rows, cols)
-    mine = torch.where(torch.arange(rows * cols).view(rows, cols) % world_size == rank, whole, 0.0)
+    device = hardware.rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    whole = torch.arange(float(rows * cols), device=device).view(rows, cols)
+    mine = torch.where(torch.arange(rows * cols, device=device).view(rows, cols) % world_size == rank, whole, 0.0)
     made = {"Shard(0)": distribute_tensor(whole, mesh, [Shard(0)]),
             "Shard(1)": distribute_tensor(whole, mesh, [Shard(1)]),
             "Replicate()": distribute_tensor(whole, mesh, [Replicate()]),
             "Partial()": DTensor.from_local(mine, mesh, [Partial()])}   # the ranks' parts add up to `whole`
     moves = {"Shard(0) → Replicate()": ("Shard(0)", Replicate()), "Partial() → Replicate()": ("Partial()", Replicate()),
              "Partial() → Shard(0)": ("Partial()", Shard(0)), "Replicate() → Shard(1)": ("Replicate()", Shard(1))}
-    out = {"placements": {k: v.to_local().clone() for k, v in made.items()}, "redistribute": {}}
+    out = {"placements": {k: v.to_local().cpu() for k, v in made.items()}, "redistribute": {}}
     for label, (source, target) in moves.items():
         with CollectiveLog() as log:
-            moved = made[source].redistribute(mesh, [target]).to_local().clone()
+            moved = made[source].redistribute(mesh, [target]).to_local().cpu()
         out["redistribute"][label] = (moved, [r.kind for r in log.records])
     return out

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the single-tensor all-gather and reduce-scatter; 2.11 has only the old names.
+# torch 2.13 renamed the single-tensor all-gather and reduce-scatter (the old names warn);
+# releases before it may have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -90,7 +91,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()             # the collective works on dimension 0
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()   # contiguous: the layers after it share it instead of copying it
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -101,7 +102,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"the sequence length {front.shape[0]} does not divide by the {n} ranks of the group")
     out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class GatherFromSequenceRegion(torch.autograd.Function):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import hardware
 from ..data import make_token_dataset
 from ..models.transformer import LMTrainConfig, batch_indices, lm_loss, make_optimizer, transformer
 from .blocks import expected_shards, tensor_parallel_transformer
@@ -31,19 +32,21 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    device = hardware.rank_device()                        # the rank's GPU under NCCL, else the CPU
     if model is None:
         model = transformer(cfg.model, seed=cfg.seed)      # the same full model on every rank, then split
+    model = model.to(device)
     if layout == "tp":
         return tensor_parallel_transformer(model, seed=cfg.seed), 0, 1, None, None
     if layout == "dtensor":
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
         return parallelize(model, mesh, transformer_plan(cfg.model.layers)), 0, 1, None, mesh
     if layout == "2d":
         from torch.distributed.fsdp import fully_shard
 
         if world_size % tp:
             raise ValueError(f"world_size {world_size} does not divide into tensor-parallel groups of {tp}")
-        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize(model, mesh["tp"], transformer_plan(cfg.model.layers))   # TP first, inside each group...
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])                                # ...then FSDP2 across the groups
@@ -57,7 +60,8 @@ def train_worker(rank: int, world_size: int, cfg: LMTrainConfig, layout: str = "
                  reference_state: dict | None = None) -> dict:
     """Train ``cfg.steps`` steps in ``layout``; the losses (global-batch means) and the weights.
 
-    ``"dtensor"`` and ``"2d"`` return the full weights on rank 0 (``state``, gathered from the shards);
+    ``"dtensor"`` and ``"2d"`` return the full weights on rank 0 (``state``, gathered from the shards) and the
+    first step's full gradients (``first_grads``);
     ``"tp"`` compares this rank's slices with ``reference_state`` (the full model's final weights) and returns
     the largest difference (``max_diff``). Every layout returns which part of each weight this rank holds
     (``shapes``).
@@ -67,15 +71,19 @@ def train_worker(rank: int, world_size: int, cfg: LMTrainConfig, layout: str = "
     model, dp_rank, dp_size, dp_group, mesh = build(cfg, layout, world_size, tp)
     if cfg.batch_size % dp_size:
         raise ValueError(f"the global batch {cfg.batch_size} does not divide by {dp_size} data-parallel groups")
-    inputs, targets = make_token_dataset(cfg.n, cfg.model.seq_len, cfg.model.vocab, seed=cfg.seed).tensors
+    device = hardware.rank_device()
+    data = make_token_dataset(cfg.n, cfg.model.seq_len, cfg.model.vocab, seed=cfg.seed).tensors
+    inputs, targets = (t.to(device) for t in data)
     opt = make_optimizer(model.parameters(), cfg)
     per_group = cfg.batch_size // dp_size
-    losses = []
+    losses, first_grads = [], None
     for idx in batch_indices(cfg):
         mine = idx[dp_rank * per_group:(dp_rank + 1) * per_group]   # this data-parallel group's slice
         opt.zero_grad()
         loss = lm_loss(local(model(inputs[mine])), targets[mine])
         loss.backward()
+        if first_grads is None and layout != "tp":   # whole gradients, gathered from the shards (collectives)
+            first_grads = {k: full(p.grad).detach().cpu() for k, p in model.named_parameters()}
         opt.step()
         logged = loss.detach().clone()
         if dp_size > 1:
@@ -85,11 +93,13 @@ def train_worker(rank: int, world_size: int, cfg: LMTrainConfig, layout: str = "
     if layout == "tp":
         reference = transformer(cfg.model, seed=cfg.seed)
         reference.load_state_dict(reference_state)
+        reference.to(device)
         expected = expected_shards(reference, model, grads=False)
         out["max_diff"] = max((p.detach() - expected[k]).abs().max().item() for k, p in model.named_parameters())
     else:
-        state = {k: full(v).detach().clone() for k, v in model.state_dict().items()}   # a collective: every rank
+        state = {k: full(v).detach().cpu() for k, v in model.state_dict().items()}   # a collective: every rank
         out["state"] = state if rank == 0 else None
+        out["first_grads"] = first_grads if rank == 0 else None
     return out
 
 
@@ -107,4 +117,4 @@ def holdings_worker(rank: int, world_size: int, cfg: LMTrainConfig, names: list[
             p.copy_(torch.arange(p.numel(), dtype=p.dtype).view_as(p))
     model = build(cfg, "2d", world_size, tp, model)[0]
     params = dict(model.named_parameters())
-    return {name: (shapes[name], local(params[name]).detach().clone()) for name in names}
+    return {name: (shapes[name], local(params[name]).detach().cpu()) for name in names}
