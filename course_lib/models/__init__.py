@@ -2,7 +2,9 @@
 
 * :mod:`.mlp`: multi-layer perceptrons (one builder, :func:`mlp`), the training notebooks' classifier
   :func:`make_mlp`, and :class:`WithExtras` (a buffer and an unused parameter).
+* :mod:`.tiny_lm`: :class:`TinyLM`, tied weights, a frozen parameter and a buffer (notebook 08).
 """
 from .mlp import WithExtras, make_mlp, mlp
+from .tiny_lm import TinyLM
 
-__all__ = ["mlp", "make_mlp", "WithExtras"]
+__all__ = ["mlp", "make_mlp", "WithExtras", "TinyLM"]
