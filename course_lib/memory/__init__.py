@@ -6,6 +6,7 @@
 from .arithmetic import (
                          DTYPE_BYTES,
                          OPTIMIZER_STATES,
+                         ZERO_STAGES,
                          fits,
                          human,
                          measured_state_bytes,
@@ -13,5 +14,5 @@ from .arithmetic import (
                          training_memory,
 )
 
-__all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "training_memory", "fits", "mlp_activation_bytes",
+__all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "ZERO_STAGES", "training_memory", "fits", "mlp_activation_bytes",
            "measured_state_bytes", "human"]
