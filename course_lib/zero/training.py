@@ -27,14 +27,30 @@ from .stage3 import cast_floating, fully_shard
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
               "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
-MODELS = ("mlp", "tiny_lm")
+MODELS = ("mlp", "tiny_lm", "twice")
+
+
+class Twice(nn.Module):
+    """One layer used twice in a forward pass: its hooks fire twice, its gradient is the sum of two uses."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.layer, self.head = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.layer(torch.relu(self.layer(x)))))
 
 
 def build(model: str = "mlp", seed: int = 0) -> nn.Module:
     """``"mlp"``: 16 -> 30 -> 30 -> 5 (sizes no world size from 2 to 4 divides evenly, but 2 and 3 do 30);
-    ``"tiny_lm"``: :class:`..models.TinyLM` (tied weights, a frozen parameter, a buffer)."""
+    ``"tiny_lm"``: :class:`..models.TinyLM` (tied weights, a frozen parameter, a buffer); ``"twice"``:
+    :class:`Twice` (a layer used twice)."""
     if model == "mlp":
         return make_mlp(dim=16, hidden=30, classes=5, depth=2, seed=seed)
+    if model == "twice":
+        return Twice(seed=seed)
     if model == "tiny_lm":
         return TinyLM(seed=seed)
     raise ValueError(f"unknown model {model!r}: use one of {MODELS}")
@@ -93,14 +109,16 @@ def state_of(strategy, model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_worker(rank: int, world_size: int, strategy, model: str = "mlp", optimizer: str = "adamw",
-                 steps: int = 3, batch: int = 4, compute_dtype=None) -> dict:
-    """Train ``steps`` steps on this rank's share of each global batch; return the full state dict."""
+                 steps: int = 3, batch: int = 4, compute_dtype=None, micro_batches: int = 1) -> dict:
+    """Train ``steps`` steps on this rank's share of each global batch; return the full state dict.
+    ``micro_batches`` > 1 accumulates the gradients of that many backward passes before each step."""
     device = rank_device()
     wrapped, opt = wrap(strategy, build(model).to(device), optimizer, compute_dtype)
     for x, y in batches(model, world_size * batch, steps):
         mine = slice(rank * batch, (rank + 1) * batch)
         opt.zero_grad()
-        loss_fn(model, wrapped(x[mine].to(device)), y[mine].to(device)).backward()
+        for xm, ym in zip(x[mine].chunk(micro_batches), y[mine].chunk(micro_batches)):
+            (loss_fn(model, wrapped(xm.to(device)), ym.to(device)) / micro_batches).backward()
         opt.step()
     return state_of(strategy, wrapped)
 
