@@ -12,6 +12,7 @@ The layers, each using only those above it:
 ``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
 ``model_parallel/``       layers split across devices in one process
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
+``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
 ``memory/``               the bytes training needs, predicted and measured
 ``faults``                things broken on purpose, each ending as a clear error
 ``viz/``                  pictures, explorers (widgets) and source listings
@@ -32,5 +33,8 @@ Notebook → the modules it shows and uses:
 * 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``)
 * 06 pipeline schedules: ``pipeline_parallel``, ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``)
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
+* 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
+  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),
+  ``exercises.ex08``
 """
 __version__ = "0.2.0"

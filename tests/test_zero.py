@@ -111,6 +111,14 @@ def test_bytes_held_match_the_arithmetic_and_zero3_holds_one_layer_at_a_time(no_
                 assert all(rank_result[stage]["optimizer states"] <= 0.26 * ddp for stage in (1, 2, 3))
 
 
+def test_a_frozen_layer_in_the_middle_is_freed_after_its_backward(no_leftovers):
+    """Like LoRA's frozen base layers: no gradient of its own, yet still one layer gathered at a time."""
+    for held in run(measure.memory_worker, 2, (3,), 32, 4, (1, 2), backend="gloo", show_output=False):
+        peak = held["stage 3 peak"]
+        assert peak["peak gathered"] == peak["largest layer"] and peak["gathered after the step"] == 0
+        assert held[3]["gradients"] == 2 * (32 * 32 + 32) * 4 // 2          # two trainable layers, half each
+
+
 def test_no_grad_forward_gathers_and_frees_and_training_goes_on(no_leftovers):
     def worker(rank, world_size):
         model = fully_shard(T.build("mlp"))

@@ -26,9 +26,12 @@ def deep_mlp(width: int = 256, depth: int = 4, seed: int = 0):
     return mlp([width] * (depth + 1), seed=seed)
 
 
-def _setup(strategy, width: int, depth: int, batch: int, seed: int = 0):
+def _setup(strategy, width: int, depth: int, batch: int, seed: int = 0, frozen: tuple[int, ...] = ()):
     device = rank_device()
-    wrapped, opt = wrap(strategy, deep_mlp(width, depth, seed).to(device), "adamw")
+    model = deep_mlp(width, depth, seed).to(device)
+    for k in frozen:
+        model[2 * k].requires_grad_(False)
+    wrapped, opt = wrap(strategy, model, "adamw")
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(batch, width, generator=g).to(device), torch.randn(batch, width, generator=g).to(device)
 
@@ -39,12 +42,14 @@ def _setup(strategy, width: int, depth: int, batch: int, seed: int = 0):
     return wrapped, opt, step
 
 
-def memory_worker(rank: int, world_size: int, strategies=STRATEGIES, width: int = 64, depth: int = 4) -> dict:
+def memory_worker(rank: int, world_size: int, strategies=STRATEGIES, width: int = 64, depth: int = 4,
+                  frozen: tuple[int, ...] = ()) -> dict:
     """After two AdamW steps: :func:`..rank_bytes` for each strategy; under stage 3 also the peak of whole
-    parameters held during a step and the largest layer's bytes."""
+    parameters held during a step and the largest layer's bytes. ``frozen``: Linear layers (by index) whose
+    parameters do not train."""
     out = {}
     for strategy in strategies:
-        wrapped, opt, step = _setup(strategy, width, depth, batch=8)
+        wrapped, opt, step = _setup(strategy, width, depth, batch=8, frozen=frozen)
         step()
         if strategy == 3:
             wrapped.zero3.peak_gathered_bytes = 0

@@ -16,8 +16,9 @@ registered parameters: ``model.parameters()`` are the shards, so any optimizer b
   the ranks) and free the whole parameters and gradients.
 
 So a rank holds the whole parameters of one layer at a time (the largest layer is the peak), plus
-1/N of everything. What is left at the end of backward (layers with an unused or frozen parameter) is
-finished by an autograd callback, so gradients are ready when ``backward()`` returns.
+1/N of everything. A frozen layer has no gradient to say its backward is done: the gradient of its
+inputs does. What is left at the end of backward (a layer with an unused parameter) is finished by an
+autograd callback, so gradients are ready when ``backward()`` returns.
 
 ``compute_dtype`` (e.g. ``torch.float16``): gather in that type, compute in it (floating inputs of
 each layer are cast to it), and reduce-scatter the gradients in it; shards, gradients and optimizer
@@ -144,6 +145,10 @@ class Zero3State:
     def pre_forward(self, module, args):
         for layer in self.of_module[module]:
             layer.gather()
+            if not layer.trainable and torch.is_grad_enabled():   # frozen: no gradient will say "done"; the
+                for t in _tensors(args):                          # inputs' gradients will (they come after)
+                    if t.requires_grad:
+                        t.register_hook(lambda grad, layer=layer: layer.free())
         return cast_floating(args, self.compute_dtype)
 
     def post_forward(self, module, args, output):
