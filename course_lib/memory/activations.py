@@ -69,12 +69,22 @@ def conventions(device: str | torch.device = "cpu", dtype_bytes: int = 4) -> dic
 
 def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: int | None = None,
                            dtype_bytes: int = 4, dropout: bool = False, device: str | torch.device = "cpu",
-                           stats_bytes: int | None = None, mask_bytes: int | None = None) -> dict:
-    """Bytes one block saves for backward, term by term (the module docstring's table), and ``"total"``."""
-    if min(batch, seq, dim, heads) < 1 or dim % heads:
-        raise ValueError(f"need positive sizes and dim divisible by heads, got b={batch} s={seq} h={dim} a={heads}")
-    b, s, h, a, d = batch, seq, dim, heads, dtype_bytes
+                           stats_bytes: int | None = None, mask_bytes: int | None = None, tp: int = 1) -> dict:
+    """Bytes one block saves for backward, term by term (the module docstring's table), and ``"total"``.
+
+    ``tp``: the block split over ``tp`` ranks by tensor parallelism (Megatron's layout, notebook 09): each
+    rank keeps ``1/tp`` of what lives inside the attention heads and the MLP's hidden units (q, k, v, the
+    scores, the joined heads, GELU's input and output, the attention dropout), and all of the rest (the
+    LayerNorms' inputs, outputs and statistics, the mask, the residual dropouts): Megatron's
+    ``sbh(10 + 24/t + 5as/(ht))`` in its setting.
+    """
     f = hidden if hidden is not None else 4 * dim
+    if min(batch, seq, dim, heads, tp) < 1 or dim % heads:
+        raise ValueError(f"need positive sizes and dim divisible by heads, got b={batch} s={seq} h={dim} a={heads}")
+    if heads % tp or f % tp:
+        raise ValueError(f"tensor parallelism over tp={tp} ranks needs heads ({heads}) and the MLP width ({f}) "
+                         "divisible by tp")
+    b, s, h, a, d = batch, seq, dim, heads, dtype_bytes
     conv = conventions(device, d)
     st = conv["stats_bytes"] if stats_bytes is None else stats_bytes
     m = conv["mask_bytes"] if mask_bytes is None else mask_bytes
@@ -83,30 +93,32 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
         "LayerNorm inputs (x twice)": 2 * bsh * d,
         "LayerNorm mean and 1/std": 2 * 2 * b * s * st,
         "LayerNorm outputs (Linear inputs)": 2 * bsh * d,
-        "q, k, v for the attention matmuls": 3 * bsh * d,
+        "q, k, v for the attention matmuls": 3 * bsh * d // tp,
         "causal mask": s * s,
-        "softmax output": b * a * s * s * d,
-        "heads joined (out's input)": bsh * d,
-        "MLP: GELU input and output": 2 * b * s * f * d,
-        "dropout masks and outputs": (b * a * s * s * (m + d) + 2 * bsh * m) if dropout else 0,
+        "softmax output": b * a * s * s * d // tp,
+        "heads joined (out's input)": bsh * d // tp,
+        "MLP: GELU input and output": 2 * b * s * f * d // tp,
+        "dropout masks and outputs": (b * a * s * s * (m + d) // tp + 2 * bsh * m) if dropout else 0,
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
 def model_activation_bytes(cfg, batch: int, seq: int | None = None, dtype_bytes: int = 4,
-                           device: str | torch.device = "cpu", layers: int | None = None) -> dict:
+                           device: str | torch.device = "cpu", layers: int | None = None, tp: int = 1) -> dict:
     """Bytes the whole course transformer (``cfg``: a ``TransformerConfig``) saves for a forward and its loss.
 
     Blocks (``layers`` of them, default ``cfg.layers``) plus what is outside them: the embedding's token and
     position indices (int64), the final LayerNorm's input and statistics, the LM head's input, and the
-    cross-entropy's log-probabilities, targets (int64) and its weight total (a 4-byte scalar).
+    cross-entropy's log-probabilities, targets (int64) and its weight total (a 4-byte scalar). With ``tp``
+    the blocks are split as in :func:`block_activation_bytes`; the rest is whole on every rank (notebook 09's
+    layout keeps the embeddings and the LM head whole).
     """
     s = seq or cfg.seq_len
     n = cfg.layers if layers is None else layers
     d, b, h = dtype_bytes, batch, cfg.dim
     conv = conventions(device, d)
-    block = block_activation_bytes(b, s, h, cfg.heads, cfg.hidden, d, cfg.dropout > 0, device)["total"]
+    block = block_activation_bytes(b, s, h, cfg.heads, cfg.hidden, d, cfg.dropout > 0, device, tp=tp)["total"]
     outside = {
         "token and position indices": 8 * b * s + 8 * s,
         "embedding dropout mask": b * s * h * conv["mask_bytes"] if cfg.dropout > 0 else 0,

@@ -158,3 +158,56 @@ class ScheduleExplorer(Explorer):
                                     f"{self.state['peak_in_flight']}", unit="time (forward = 1, backward = 2)")
             display(fig)
             plt.close(fig)
+
+
+def layout_state(preset: str, seq: int, batch: int, gpus: int, gib_per_gpu: float, dtype: str = "bf16") -> dict:
+    """What :class:`LayoutPlanner` shows: every layout of :func:`course_lib.memory.planner.plan` for the preset
+    model, the ones that fit, and the cheapest that fits (``None`` when none does)."""
+    from ..memory import planner
+    if preset not in planner.PRESETS:
+        raise ValueError(f"unknown model {preset!r}: pick one of {list(planner.PRESETS)}")
+    cfg = planner.PRESETS[preset]
+    rows = planner.plan(cfg, seq, batch, gpus, gib_per_gpu, dtype)
+    fitting = [r for r in rows if r["fits"]]
+    return {"params": planner.param_count(cfg), "rows": rows, "fitting": fitting,
+            "best": planner.layout_name(fitting[0]) if fitting else None}
+
+
+class LayoutPlanner(Explorer):
+    """The capstone calculator (notebook 10): a model, a sequence length, a micro-batch per GPU, a number of GPUs
+    and their memory in; which layouts fit, at what memory, traffic and extra compute, out."""
+
+    def __init__(self, preset: str = "6.7 B (32 x 4096)", seq: int = 2048, batch: int = 1, gpus: int = 8,
+                 gib_per_gpu: float = 80.0, dtype: str = "bf16"):
+        from ..memory import planner
+        self.preset = W.Dropdown(options=list(planner.PRESETS), value=preset, description="model",
+                                 layout=W.Layout(width="320px"))
+        self.seq = W.BoundedIntText(value=seq, min=1, max=1_000_000, description="sequence")
+        self.batch = W.BoundedIntText(value=batch, min=1, max=100_000, description="micro-batch")
+        self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs")
+        self.gib = W.BoundedFloatText(value=gib_per_gpu, min=1, max=100_000, step=8, description="GiB per GPU")
+        self.dtype = W.Dropdown(options=["bf16", "fp16", "fp32"], value=dtype, description="precision")
+        self.out = W.HTML()
+        self.state: dict = {}
+        controls = (self.preset, self.seq, self.batch, self.gpus, self.gib, self.dtype)
+        self.widget = W.VBox([W.HBox(list(controls[:3])), W.HBox(list(controls[3:])), self.out])
+        for c in controls:
+            c.observe(self._update, names="value")
+        self._update()
+
+    def _update(self, *_):
+        from ..memory.planner import layout_name
+        try:
+            self.state = layout_state(self.preset.value, self.seq.value, self.batch.value, self.gpus.value,
+                                      self.gib.value, self.dtype.value)
+        except ValueError as e:                   # e.g. a sequence longer than the model's positions
+            self.state, self.out.value = {"error": str(e)}, f"<b>{e}</b>"
+            return
+        head = "<tr><th>layout</th><th>GiB per GPU</th><th>fits</th><th>GB sent per step (data / tensor)</th>" \
+               "<th>extra compute</th></tr>"
+        rows = "".join(f"<tr><td>{layout_name(r)}</td><td>{r['gib']:.1f}</td><td>{'yes' if r['fits'] else 'no'}</td>"
+                       f"<td>{r['data_gb']:.2f} / {r['tensor_gb']:.2f}</td><td>{r['extra_compute']:.0%}</td></tr>"
+                       for r in self.state["rows"])
+        best = self.state["best"] or "nothing fits: more GPUs, a shorter sequence or a smaller micro-batch"
+        self.out.value = (f"{self.state['params'] / 1e9:.2f} B parameters. Cheapest that fits: <b>{best}</b>"
+                          f"<table>{head}{rows}</table>")

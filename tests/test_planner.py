@@ -1,0 +1,81 @@
+"""The capstone calculator: its predictions equal the bytes measured on the course's small transformer (ZeRO
+stages, DDP, tensor parallelism, recomputation), its arithmetic behaves, and its widget is driven in code."""
+import pytest
+import torch
+
+from course_lib.launch import run
+from course_lib.memory import training_memory
+from course_lib.memory.planner import PRESETS, block_params, collectives, layout_name, param_count, plan, predict
+from course_lib.memory.verify import compare, measure_worker
+from course_lib.models import TransformerConfig, transformer
+
+CFG = TransformerConfig()
+
+
+def test_parameter_count_is_the_models():
+    for cfg in (CFG, TransformerConfig(vocab=50, seq_len=16, dim=48, heads=3, layers=3, hidden=96),
+                TransformerConfig(bias=False)):
+        assert param_count(cfg) == sum(p.numel() for p in transformer(cfg).parameters())
+    assert block_params(CFG, 2) < block_params(CFG) / 2 + 4 * CFG.dim + 2 * CFG.dim   # LayerNorms, row biases whole
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_calculator_equals_the_bytes_measured_on_the_course_transformer(world_size):
+    measured = run(measure_worker, world_size, CFG, 2, backend="gloo", show_output=False)
+    for rank in (0, world_size - 1):
+        rows = compare(measured[rank], CFG, 2, world_size)
+        assert len(rows) == 20
+        for row in rows:
+            assert row["predicted"] == row["measured"], row
+
+
+def test_predictions_behave_as_the_notebooks_measured():
+    cfg = PRESETS["6.7 B (32 x 4096)"]
+    ddp = predict(cfg, 2048, 1, dp=8)
+    assert ddp["memory"]["total"] - ddp["memory"]["activations"] == training_memory(param_count(cfg), "bf16")["total"]
+    z = {stage: predict(cfg, 2048, 1, dp=8, zero=stage) for stage in (0, 1, 2, 3)}
+    assert z[0]["memory"]["total"] > z[1]["memory"]["total"] > z[2]["memory"]["total"] > z[3]["memory"]["total"]
+    assert z[0]["sent"]["data"] == z[1]["sent"]["data"] == z[2]["sent"]["data"] == z[3]["sent"]["data"] / 1.5
+    full = predict(cfg, 2048, 1, dp=8, recompute="full")
+    assert full["memory"]["activations"] < ddp["memory"]["activations"] / 10 and 0.2 < full["extra_compute"] < 1 / 3   # not the last matmul
+    tp = predict(cfg, 2048, 1, tp=8)
+    assert tp["sent"]["data"] == 0 and tp["sent"]["tensor"] > 0 and tp["memory"]["weights"] < ddp["memory"]["weights"]
+    per_layer = collectives(cfg, 2048, 1, tp=2, recompute="full")
+    assert [c[1:] for c in per_layer] == [("all-reduce", 2048 * 4096 * 2, 32)] * 5       # 4, +1 recomputed
+    with pytest.raises(ValueError, match="recompute must be"):
+        predict(cfg, 2048, 1, recompute="selective")
+
+
+def test_plan_orders_layouts_and_says_what_fits():
+    cfg = PRESETS["6.7 B (32 x 4096)"]
+    rows = plan(cfg, 2048, 1, 8, 80)
+    assert rows[0]["fits"] and layout_name(rows[0]) == "DP 8, ZeRO-2"      # no recompute, no TP traffic, least data
+    ddp = next(r for r in rows if r["tp"] == 1 and r["zero"] == 0 and r["recompute"] == "none")
+    assert not ddp["fits"] and ddp["gib"] > 80                          # 16 bytes x 6.9 B params alone: 110 GB
+    assert all(r["fits"] for r in rows[:rows.index(ddp)])
+    assert {r["tp"] for r in rows} == {1, 2, 4, 8}
+    assert not any(r["fits"] for r in plan(PRESETS["70 B (80 x 8192)"], 4096, 1, 1, 80))
+    with pytest.raises(ValueError, match="positions"):
+        plan(cfg, 4096, 1, 8, 80)
+
+
+def test_layout_planner_widget_is_driven_in_code():
+    from course_lib.viz.widgets import LayoutPlanner, layout_state
+    state = layout_state("6.7 B (32 x 4096)", 2048, 1, 8, 80)
+    assert state["best"] == "DP 8, ZeRO-2" and state["fitting"]
+    p = LayoutPlanner()
+    assert p.state["best"] == state["best"]
+    p.preset.value = "70 B (80 x 8192)"
+    assert p.state["best"] is None and "nothing fits" in p.out.value
+    p.gpus.value = 64
+    assert p.state["best"] is not None and p.state["fitting"][0]["gib"] <= 0.9 * 80
+    p.seq.value = 10_000
+    assert "error" in p.state and "positions" in p.out.value
+    with pytest.raises(ValueError, match="unknown model"):
+        layout_state("GPT-5", 1, 1, 1, 80)
+
+
+def test_fp32_figures_of_the_calculator_use_four_bytes():
+    p = predict(CFG, 32, 2, dtype="fp32", device="cpu")
+    assert p["memory"]["fp32 master weights"] == 0 and p["memory"]["weights"] == 4 * param_count(CFG)
+    assert torch.finfo(torch.float32).bits == 32
