@@ -37,7 +37,8 @@ def test_predictions_behave_as_the_notebooks_measured():
     assert z[0]["memory"]["total"] > z[1]["memory"]["total"] > z[2]["memory"]["total"] > z[3]["memory"]["total"]
     assert z[0]["sent"]["data"] == z[1]["sent"]["data"] == z[2]["sent"]["data"] == z[3]["sent"]["data"] / 1.5
     full = predict(cfg, 2048, 1, dp=8, recompute="full")
-    assert full["memory"]["activations"] < ddp["memory"]["activations"] / 10 and 0.2 < full["extra_compute"] < 1 / 3   # not the last matmul
+    assert full["memory"]["activations"] < ddp["memory"]["activations"] / 10
+    assert 0.2 < full["extra_compute"] < 1 / 3                  # a forward again, less its last matmul
     tp = predict(cfg, 2048, 1, tp=8)
     assert tp["sent"]["data"] == 0 and tp["sent"]["tensor"] > 0 and tp["memory"]["weights"] < ddp["memory"]["weights"]
     per_layer = collectives(cfg, 2048, 1, tp=2, recompute="full")

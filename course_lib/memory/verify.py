@@ -50,7 +50,7 @@ def measure_worker(rank: int, world_size: int, cfg, batch: int = 2) -> dict:
     out = {"zero": {}, "traffic": {}}
     for recompute in ("none", "full"):
         model = with_recomputation(transformer(cfg), recompute)
-        out[f"saved_{recompute}"] = saved_bytes(lambda: lm_loss(model(x), y), exclude=list(model.parameters()))
+        out[f"saved_{recompute}"] = saved_bytes(lambda m=model: lm_loss(m(x), y), exclude=list(model.parameters()))
         flops = measure_policy(transformer(cfg), recompute, x, y)
         out[f"flops_{recompute}"] = flops["forward_flops"] + flops["backward_flops"]
     for stage in (1, 2, 3):
