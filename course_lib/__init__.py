@@ -13,7 +13,9 @@ The layers, each using only those above it:
 ``model_parallel/``       layers split across devices in one process
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
 ``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
-``memory/``               the bytes training needs, predicted and measured
+``memory/``               the bytes training needs, predicted and measured: activations, recomputation,
+                          accumulation, the layout calculator
+``precision/``            number formats, mixed precision, loss scaling, precision on the wire
 ``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
                           blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``faults``                things broken on purpose, each ending as a clear error
@@ -41,5 +43,8 @@ Notebook → the modules it shows and uses:
 * 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
   ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
   ``viz.tensor_parallel``, ``exercises.ex09``
+* 10 memory and precision: ``memory`` (``activations``, ``saved``, ``recompute``, ``accumulation``, ``planner``,
+  ``verify``), ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``viz.widgets``
+  (``LayoutPlanner``), ``exercises.ex10``
 """
 __version__ = "0.2.0"

@@ -10,7 +10,7 @@ from course_lib.memory.activations import model_activation_bytes
 from course_lib.models import TransformerConfig, transformer
 from course_lib.precision import MasterWeights, build, bytes_per_parameter, cast_losses, format_table
 from course_lib.precision.scaling import scaler_run, underflow_report
-from course_lib.precision.wire import ddp_compress_worker, fsdp_reduce_dtype_worker, refusal_on_this_build
+from course_lib.precision.wire import ddp_compress_worker, fsdp_reduce_dtype_worker
 
 CFG = TransformerConfig()
 
@@ -90,19 +90,14 @@ def test_grad_scaler_skips_overflow_steps_halves_and_grows_the_scale():
 def test_bf16_compress_hook_halves_the_bytes_at_a_small_gradient_error():
     r = run(ddp_compress_worker, 2, CFG, 3, 8, backend="gloo", show_output=False)
     for rank in r:
+        if torch.version.cuda is None:
+            assert "NCCL" in rank["refusal"]             # a CPU build refuses the hook by its name
         fp32, bf16 = rank["fp32"], rank["bf16"]
         assert [k for k, _ in fp32["collectives"]] == ["all-reduce"] * len(fp32["collectives"])
         assert sum(b for _, b in fp32["collectives"]) == 4 * fp32["params"]
         assert sum(b for _, b in bf16["collectives"]) * 2 == sum(b for _, b in fp32["collectives"])
         assert fp32["gradient_error"] < 1e-6 < bf16["gradient_error"] < 2.0**-7
         assert abs(fp32["losses"][-1] - bf16["losses"][-1]) < 0.05
-    refusal = run(_refusal, 1, backend="gloo", show_output=False)[0]
-    if torch.version.cuda is None:
-        assert "NCCL" in refusal                       # a CPU build refuses the hook by its name
-
-
-def _refusal(rank, world_size):
-    return refusal_on_this_build()
 
 
 def test_fsdp2_reduce_dtype_bf16_halves_the_reduce_scatter_bytes():
@@ -112,3 +107,12 @@ def test_fsdp2_reduce_dtype_bf16_halves_the_reduce_scatter_bytes():
     assert rs["float32"] == 2 * rs["bfloat16"] > 0 and ag["float32"] == ag["bfloat16"] > 0
     assert r["float32"]["grad_dtype"] == r["bfloat16"]["grad_dtype"] == "float32"   # shards step in fp32
     assert 0 < r["bfloat16"]["error_vs_first"] < 2.0**-7
+
+
+def test_cpu_features_and_matmul_speed_are_measured():
+    from course_lib.precision.speed import cpu_features, matmul_worker
+    f = cpu_features()
+    assert f["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert f["native bf16"] == (f["avx512_bf16"] or f["amx_bf16"])
+    rates = run(matmul_worker, 1, 64, 2, backend="gloo", threads=1, show_output=False)[0]
+    assert set(rates) == {"float32", "bfloat16", "float16"} and all(v > 0 for v in rates.values())

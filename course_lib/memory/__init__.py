@@ -3,6 +3,12 @@
 * :mod:`.arithmetic`: bytes of weights, gradients, optimizer states and activations per parameter, and
   what a model and its optimizer really hold.
 * :mod:`.saved`: the activations a forward pass keeps for its backward, measured through autograd's hooks.
+* :mod:`.activations`: those bytes derived term by term for the course's block and model (= measured),
+  against Megatron's formula; :func:`.activations.held_bytes`, what a forward leaves allocated.
+* :mod:`.recompute`: activation checkpointing, whole-layer and selective: bytes held, FLOPs recomputed.
+* :mod:`.accumulation`: gradient accumulation against a larger micro-batch (memory, time, ``no_sync``).
+* :mod:`.planner`: the calculator: which layouts (DDP, ZeRO, TP, recomputation) fit, at what traffic;
+  :mod:`.verify` checks it against bytes measured on the course's transformer.
 """
 from .arithmetic import (
                          DTYPE_BYTES,

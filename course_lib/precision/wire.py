@@ -94,11 +94,12 @@ def _relative_error(got, exact) -> float:
 def ddp_compress_worker(rank: int, world_size: int, cfg, steps: int = 10, batch: int = 16, lr: float = 3e-3) -> dict:
     """DDP training of the small transformer with each hook of :func:`hooks`, from the same start on the same
     data: the collectives of one backward (kind, bytes), the averaged gradients' relative error against the
-    exact fp32 average after the first backward, and the losses."""
+    exact fp32 average after the first backward, and the losses; ``"refusal"``: what registering PyTorch's
+    ``bf16_compress_hook`` itself says on this build (:func:`refusal_on_this_build`)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..models.transformer import lm_loss, transformer
-    out = {}
+    out = {"refusal": refusal_on_this_build()}
     for name, hook in hooks().items():
         model = DDP(transformer(cfg).to(_device()))
         plain = transformer(cfg).to(_device())               # the same weights, not wrapped

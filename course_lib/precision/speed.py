@@ -1,0 +1,53 @@
+"""How fast this machine multiplies matrices in fp32, bf16 and fp16, and why (its CPU's instructions).
+
+A CPU runs bf16 matrix products fast only with instructions made for them: AVX512_BF16 (dot products of bf16
+pairs) or AMX (Intel's tile units: ``amx_bf16``). fp16 likewise needs AVX512_FP16 or ``amx_fp16``. Without
+them PyTorch converts to fp32 and back, and the 16-bit product is *slower* than fp32. GPUs have tensor cores
+for both. :func:`cpu_features` reads what this CPU has (Linux's ``/proc/cpuinfo``); :func:`matmul_worker`
+measures, alternating the precisions round after round so that a busy moment of the machine hits them alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+
+
+def cpu_features() -> dict:
+    """PyTorch's CPU capability (``"AVX512"``, ``"AVX2"``...) and which 16-bit instructions the CPU has (Linux)."""
+    info = Path("/proc/cpuinfo")
+    flags = set()
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    out = {"capability": torch.backends.cpu.get_cpu_capability(), "flags known": bool(flags)}
+    out.update({f: f in flags for f in FLAGS})
+    out["native bf16"] = out["avx512_bf16"] or out["amx_bf16"]
+    out["native fp16"] = out["avx512_fp16"] or out["amx_fp16"]
+    return out
+
+
+def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 5,
+                  dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> dict:
+    """GFLOP/s of a ``size`` x ``size`` matrix product in each dtype on the rank's device (median of ``rounds``)."""
+    from ..hardware import rank_device, synchronize
+    device = rank_device()
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    pairs = {dt: (a.to(dt), b.to(dt)) for dt in dtypes}
+    times: dict = {dt: [] for dt in dtypes}
+    for x, y in pairs.values():
+        x @ y                                          # warm-up
+    for _ in range(rounds):
+        for dt, (x, y) in pairs.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            x @ y
+            synchronize(device)
+            times[dt].append(time.perf_counter() - t0)
+    return {str(dt).replace("torch.", ""): 2 * size**3 / statistics.median(t) / 1e9 for dt, t in times.items()}
