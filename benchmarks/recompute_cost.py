@@ -3,7 +3,8 @@
 Goal: checkpointing every block (``torch.utils.checkpoint``, non-reentrant) costs at most 1.45x the step time
 of no checkpointing, while saving at least 60% of the activation bytes (the bytes held between forward and
 backward). A training step is zero_grad, forward, backward and an AdamW step. The two models (same weights)
-alternate in one process, a few steps each, for ``--rounds`` rounds; medians are compared. One thread on a
+alternate in one process, one step each, for ``--rounds`` rounds (fine-grained alternation: on a busy machine a
+time slice lost hits every policy alike); medians are compared. One thread on a
 CPU (so that another busy process cannot stall a second one), the GPU where there is one. Selective
 recomputation (keep every matrix product) is measured alongside, for reference.
 
@@ -11,7 +12,7 @@ Why about 1.33x is expected: recomputation runs each block's forward a second ti
 about two forwards, so a step goes from 1 + 2 to 1 + 1 + 2 forwards. The model is sized so that the matrix
 products, not Python's per-operator overhead, take the time (as in real training).
 
-    python benchmarks/recompute_cost.py [--rounds 7] [--dim 256] [--seq 128] [--layers 4] [--batch 8]
+    python benchmarks/recompute_cost.py [--rounds 20] [--dim 256] [--seq 128] [--layers 4] [--batch 8]
 """
 import argparse
 
@@ -25,8 +26,8 @@ TIME_GOAL, SAVED_GOAL = 1.45, 0.60
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)

@@ -63,7 +63,7 @@ NOTEBOOKS: list[Notebook] = [
              "DTensor, DeviceMesh, parallelize_module; a 2×2 mesh with FSDP2", 0, "full", 50),
     Notebook("10_memory_and_precision.ipynb", "Activation memory, recomputation and mixed precision",
              "saved activations counted and derived; checkpointing; fp32/bf16/fp16, loss scaling, bf16 on the wire; "
-             "gradient accumulation; a layout calculator", 2, "partial", 90),
+             "gradient accumulation; a layout calculator", 2, "partial", 30),
 ]
 
 

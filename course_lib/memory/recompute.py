@@ -143,8 +143,8 @@ def forward_ops(block: nn.Module, x: torch.Tensor) -> dict[str, dict]:
 
 def step_time_worker(rank: int, world_size: int, cfg, batch: int, policies=("none", "full"), rounds: int = 5,
                      steps: int = 2, seed: int = 0) -> dict:
-    """For each policy: the median seconds of a training step (zero_grad, forward, backward, AdamW step),
-    measured alternately (round after round, so that a busy moment of the machine hits every policy alike),
+    """For each policy: the median (and the mean) seconds of a training step (zero_grad, forward, backward, AdamW
+    step), measured alternately (round after round, so that a busy moment of the machine hits every policy alike),
     and the bytes held between forward and backward (:func:`.activations.held_bytes`). On the rank's device."""
     from ..data import make_token_dataset
     from ..hardware import rank_device, synchronize
@@ -172,4 +172,5 @@ def step_time_worker(rank: int, world_size: int, cfg, batch: int, policies=("non
                 step(p)
             synchronize(device)
             times[p].append((time.perf_counter() - t0) / steps)
-    return {p: {"seconds": statistics.median(times[p]), "held": held[p]} for p in policies}
+    return {p: {"seconds": statistics.median(times[p]), "mean": statistics.fmean(times[p]), "held": held[p]}
+            for p in policies}

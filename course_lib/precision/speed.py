@@ -8,7 +8,6 @@ measures, alternating the precisions round after round so that a busy moment of 
 """
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -33,21 +32,27 @@ def cpu_features() -> dict:
     return out
 
 
-def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 5,
+def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 5, sample_s: float = 0.02,
                   dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> dict:
-    """GFLOP/s of a ``size`` x ``size`` matrix product in each dtype on the rank's device (median of ``rounds``)."""
+    """GFLOP/s of a ``size`` x ``size`` matrix product in each dtype on the rank's device: the best of ``rounds``
+    samples of about ``sample_s`` seconds each, the dtypes alternating. The best, because what we want is what
+    the hardware can do: another process taking the core only ever makes a sample slower."""
     from ..hardware import rank_device, synchronize
     device = rank_device()
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     pairs = {dt: (a.to(dt), b.to(dt)) for dt in dtypes}
+
+    def timed(x, y, reps: int) -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            x @ y
+        synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
+    reps = {dt: max(1, round(sample_s / timed(x, y, 1))) for dt, (x, y) in pairs.items()}   # also a warm-up
     times: dict = {dt: [] for dt in dtypes}
-    for x, y in pairs.values():
-        x @ y                                          # warm-up
     for _ in range(rounds):
         for dt, (x, y) in pairs.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            x @ y
-            synchronize(device)
-            times[dt].append(time.perf_counter() - t0)
-    return {str(dt).replace("torch.", ""): 2 * size**3 / statistics.median(t) / 1e9 for dt, t in times.items()}
+            times[dt].append(timed(x, y, reps[dt]))
+    return {str(dt).replace("torch.", ""): 2 * size**3 / min(t) / 1e9 for dt, t in times.items()}
