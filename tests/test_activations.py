@@ -88,6 +88,10 @@ def test_bad_shapes_are_refused():
         block_activation_bytes(2, 8, 30, 4)
     with pytest.raises(ValueError, match="unknown recomputation policy"):
         resolve("everything")
+    with pytest.raises(TypeError, match="Recomputed"):
+        with_recomputation(torch.nn.Linear(2, 2), "full")
+    with pytest.raises(ValueError, match="divisible by tp"):
+        block_activation_bytes(2, 8, 64, 4, tp=3)
     assert megatron_layer_bytes(1, 1, 1, 1) == 39
 
 

@@ -85,6 +85,9 @@ def resolve(policy) -> tuple[bool, Callable[[str], bool] | None]:
 def with_recomputation(model: nn.Module, policy="full") -> nn.Module:
     """A copy of the course transformer whose every block is recomputed under ``policy`` (same weights)."""
     checkpointed, keep = resolve(policy)
+    if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise TypeError(f"with_recomputation wraps the blocks of the course transformer (model.blocks), and "
+                        f"{type(model).__name__} has none: wrap your own layers in Recomputed(layer, keep) instead")
     model = copy.deepcopy(model)
     if checkpointed:
         model.blocks = nn.ModuleList(Recomputed(block, keep) for block in model.blocks)
