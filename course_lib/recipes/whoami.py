@@ -11,4 +11,5 @@ if __name__ == "__main__":
     env["master"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"   # where init_process_group meets
     env["device_by_global_rank"] = f"cuda:{env['RANK']}"
     env["device_by_local_rank"] = f"cuda:{env['LOCAL_RANK']}"
+    env["agent_store"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")   # "True": one store for all restarts
     print(json.dumps(env), flush=True)
