@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from . import course, hardware
+from . import course, hardware, slurm
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 SHM_FAIL_MIB = 256   # Docker's default is 64 MiB: DataLoader workers and NCCL run out of it
@@ -116,6 +116,18 @@ def _nccl_smoke(world_size: int) -> Check:
     return Check(name, OK if ok else FAIL, f"{world_size} GPU rank(s) agreed on {want:g}" if ok else f"wrong result {out}")
 
 
+def _slurm(found: "slurm.Cluster | None") -> Check:
+    """Can the SLURM batch script be tried here? (Notebook 04 submits it where a controller answers.)"""
+    if found is None:
+        return Check("SLURM", INFO, "absent: notebook 04 shows the batch script's commands instead of running them; "
+                     f"to try them on this machine (Debian/Ubuntu, root): {slurm.LOCAL_CLUSTER}")
+    if found.name is None:
+        return Check("SLURM", WARN, f"{found.version}, but no controller answers ({found.error})",
+                     f"start slurmctld and slurmd, or a local cluster: {slurm.LOCAL_CLUSTER}")
+    nodes = ", ".join(f"{n} {state}" for n, state in found.nodes.items()) or "no nodes"
+    return Check("SLURM", OK, f"{found.version}, cluster {found.name!r}: {nodes}")
+
+
 def checks(smoke: bool = True) -> list[Check]:
     """Every check, in the order they are printed."""
     v = hardware.versions()
@@ -138,6 +150,7 @@ def checks(smoke: bool = True) -> list[Check]:
     out.append(Check("CPU cores", OK if hardware.cpu_count() >= 2 else WARN, str(hardware.cpu_count()),
                      "2+ cores make the multi-rank timings meaningful"))
     out.append(_shm(shm_mib()))
+    out.append(_slurm(slurm.probe()))
     if smoke and b["gloo"]:
         out.append(_gloo_smoke())
     return out

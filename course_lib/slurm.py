@@ -43,7 +43,8 @@ def probe() -> Cluster | None:
     if not (shutil.which("sbatch") and shutil.which("scontrol") and shutil.which("sinfo")):
         return None
     try:
-        version = subprocess.run(["sbatch", "--version"], capture_output=True, text=True, timeout=20).stdout.strip()
+        version = subprocess.run(["sbatch", "--version"], capture_output=True, text=True, timeout=20).stdout.strip() \
+            or "sbatch (version unknown)"
         config = _scontrol("show", "config")
         if config.returncode != 0:
             return Cluster(version, error=(config.stderr or config.stdout).strip().splitlines()[-1])

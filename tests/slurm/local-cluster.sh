@@ -69,7 +69,7 @@ MpiDefault=none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-# no accounting (no sacct): keep finished jobs visible to `scontrol show job` for an hour
+# no accounting (no sacct): scontrol shows finished jobs for an hour
 MinJobAge=3600
 CONF
         if [ "$mode" = gpu8 ]; then
@@ -139,17 +139,16 @@ start() {
     die "the nodes did not become idle within 30 s (logs above)"
 }
 
-stop() {  # exactly the daemons `start` started, by pid (never by name); then undo the edits
+stop() {  # exactly the daemons `start` started, by pid (never by name); then undo the edits and check
+    local name pid jobs left=""
     if [ -f "$STATE/pids" ]; then
-        local name pid jobs
-        # jobs first: a job's processes outlive a killed slurmd
+        # jobs first: a job's processes (slurmstepd, torchrun...) outlive a killed slurmd
         jobs=$(squeue -h -o %i 2>/dev/null || true)
         if [ -n "$jobs" ]; then
             scancel $jobs 2>/dev/null || true
             for _ in $(seq 150); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.2; done
         fi
-        # slurmd and slurmctld first (they talk to munged), munged last
-        for pass in slurm munge; do
+        for pass in slurm munge; do   # slurmd and slurmctld first (they talk to munged), munged last
             while IFS== read -r name pid; do
                 case "$pass:$name" in slurm:munged|munge:slurm*) continue ;; esac
                 kill "$pid" 2>/dev/null || continue
@@ -158,13 +157,20 @@ stop() {  # exactly the daemons `start` started, by pid (never by name); then un
                 echo "stopped $name ($pid)"
             done < "$STATE/pids"
         done
+        while IFS== read -r name pid; do kill -0 "$pid" 2>/dev/null && left+=" $name($pid)"; done < "$STATE/pids"
     fi
     ours $CONF && rm -f $CONF
     ours /etc/slurm/gres.conf && rm -f /etc/slurm/gres.conf
     if grep -q "$HOSTS_MARK\$" /etc/hosts; then   # rewritten in place: in a container /etc/hosts is a mount
         local kept; kept=$(grep -v "$HOSTS_MARK\$" /etc/hosts); printf '%s\n' "$kept" > /etc/hosts
     fi
-    rm -rf "$STATE"
+    [ -z "$left" ] && rm -rf "$STATE"
+    # what must not outlive the cluster: its daemons, job steps, the hosts line, the config
+    command -v pgrep >/dev/null && pgrep -x slurmstepd >/dev/null && left+=" slurmstepd($(pgrep -x slurmstepd | xargs))"
+    grep -q "$HOSTS_MARK\$" /etc/hosts && left+=" /etc/hosts-line"
+    ours $CONF && left+=" $CONF"
+    [ -z "$left" ] || die "left behind:$left"
+    echo "stopped: no daemon, job step, /etc/hosts line or slurm.conf of ours is left"
 }
 
 status() {
