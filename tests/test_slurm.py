@@ -7,13 +7,14 @@ with COURSE_SLURM=1 (set by .ci/run) a missing cluster is a failure, not a skip.
 import os
 import re
 import sys
+import time
 from datetime import datetime
 
 import pytest
 
 from conftest import RECIPE_ARGS as ARGS, ROOT
 from course_lib import slurm
-from course_lib.commands import json_lines
+from course_lib.commands import CommandError, json_lines
 from course_lib.hardware import cpu_count
 
 SCRIPT = os.path.join(ROOT, "course_lib", "recipes", "slurm_ddp.sbatch")
@@ -115,7 +116,17 @@ def test_a_killed_rank_on_two_nodes_is_recovered_every_time(cluster, tmp_path, u
 
 
 def test_a_cpu_node_without_a_rank_count_stops_with_the_command_to_use(cluster, tmp_path):
-    job = slurm.submit(SCRIPT, *ARGS, sbatch_args=sbatch_args(tmp_path, 1), env=job_env(None))
-    info = slurm.wait([job], timeout=120)[job]
-    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:")
-    assert "NPROC_PER_NODE=2 sbatch --gres=none --cpus-per-task=2" in slurm.output(info)
+    with pytest.raises(CommandError) as info:
+        slurm.run_job(SCRIPT, *ARGS, sbatch_args=sbatch_args(tmp_path, 1), env=job_env(None), echo=False, timeout=120)
+    assert "ended FAILED (exit code 2:0)" in str(info.value)
+    assert "NPROC_PER_NODE=2 sbatch --gres=none --cpus-per-task=2" in info.value.output
+
+
+def test_a_job_past_its_wait_is_cancelled_not_left_running(cluster, tmp_path):
+    script = tmp_path / "sleeper.sbatch"
+    script.write_text("#!/bin/bash\necho started\nsleep 120\n")
+    job = slurm.submit(str(script), sbatch_args=(f"--chdir={tmp_path}", "--output=%j.out", "--time=3", "--gres=none"))
+    start = time.monotonic()
+    with pytest.raises(CommandError, match=f"job\\(s\\) {job} did not end within 3 s and were cancelled"):
+        slurm.wait([job], timeout=3)
+    assert slurm.job_info(job)["JobState"] == "CANCELLED" and time.monotonic() - start < 40

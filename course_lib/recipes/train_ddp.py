@@ -123,23 +123,24 @@ def choose_backend(requested: str | None, local_world_size: int, gpu_count: int,
 def check_restarts(environ=os.environ) -> None:
     """Refuse, at once, a launch whose restarts cannot work.
 
-    Restarts: with a rendezvous (``--standalone``, or ``--rdzv-backend=c10d`` across nodes) the workers'
-    ``env://`` store lives in torchrun's agent on node 0, and by default (torch 2.4 to 2.13 at least) that agent
-    keeps **one** store for every restart round. A restarted worker then finds the dead round's keys in it: the
-    dead workers' addresses ("Connection refused"), or arrival counts that never add up (a wait until the
-    timeout). Keys made per attempt from ``TORCHELASTIC_RESTART_COUNT`` do not help across nodes: each node's
-    agent counts its own restarts (a worker that died counts one; a peer node restarting does not), so the nodes
-    look for each other under different keys. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
-    environment makes each round start a fresh store (hosted by that round's rank 0), which fixes both;
-    ``course_lib.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
+    With a rendezvous (``--standalone``, or ``--rdzv-backend=c10d`` across nodes) the workers' ``env://`` store
+    lives in torchrun's agent on node 0, and by default (since torch 2.5; checked in 2.11 and 2.13) that agent
+    keeps **one** store for every restart round. Restarted workers then find the dead round's keys in it: the dead
+    workers' addresses ("Connection refused"), or arrival counts that never add up (a wait until the timeout);
+    on one node, 2 of 3 restarted jobs hung that way. Keys made per attempt from ``TORCHELASTIC_RESTART_COUNT``
+    fix one node only: each node's agent counts its own restarts (the node whose worker died counts one; the
+    others see a membership change, which does not count), so across nodes the ranks look for each other under
+    different keys. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment makes every round start a
+    fresh store, hosted by that round's rank 0; ``course_lib.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
     """
     shared = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        example = LAUNCH_HINT.replace("--standalone", "--standalone --max-restarts=3")
         raise SystemExit(
-            "error: torchrun --max-restarts needs a fresh rendezvous store for every restart, and this torchrun keeps "
-            "one for the whole job (a restarted worker would read the dead workers' addresses from it). Set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment and use a c10d rendezvous, e.g.\n  "
-            f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {LAUNCH_HINT.replace('--standalone', '--standalone --max-restarts=3')}")
+            "error: torchrun --max-restarts needs a fresh rendezvous store for each restart, but this torchrun keeps "
+            "one for the whole job: restarted workers would read the dead workers' addresses from it. Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, with a c10d rendezvous (--standalone, "
+            f"or --rdzv-backend=c10d across nodes), e.g.\n  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {example}")
 
 
 def setup(args) -> Context:
