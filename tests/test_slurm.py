@@ -27,9 +27,10 @@ def cluster():
     found = slurm.probe()
     if found is None:
         why = "no SLURM on this machine (no sbatch)"
+    elif found.name is None:
+        why = f"SLURM is installed but no controller answers ({found.error})"
     elif found.name != "course":
-        why = (f"the SLURM here is cluster {found.name!r} ({found.error or 'not the course local cluster'}); these "
-               f"tests submit only to the course's own")
+        why = f"the SLURM here is cluster {found.name!r}, and these tests submit only to the course's local one"
     elif sorted(found.nodes) != ["n1", "n2"] or not all(s in ("idle", "mixed") for s in found.nodes.values()):
         why = f"the course's local cluster should have nodes n1, n2 idle, not {found.nodes}"
     else:
