@@ -1,6 +1,6 @@
 """On one GPU: the DDP step time of the recipe's model against the same model trained without DDP.
 
-Goal (issue 5): DDP within 5% of no DDP.  The model, optimizer (SGD with momentum) and bf16 autocast are
+Goal: DDP within 5% of no DDP.  The model, optimizer (SGD with momentum) and bf16 autocast are
 the recipe's (``course_lib.recipes.train_ddp``); NCCL with world size 1; both models in one process,
 measured alternately, median of the rounds.  Two sizes: the recipe's defaults (a small MLP: a step is a
 few kernel launches, so DDP's fixed cost per step shows most) and a GPU-sized one (``--hidden``).
@@ -14,20 +14,18 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from course_lib import hardware
-from course_lib.data import make_mlp
 from course_lib.launch import run
+from course_lib.models import make_mlp
 from course_lib.recipes import train_ddp
 
 
 def worker(rank, world_size, configs, rounds, steps=20):
     """Median step times ``{"no DDP": s, "DDP": s}`` per config (the CPU under Gloo: for testing this code)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    on_gpu = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    device = hardware.rank_device()
+    on_gpu = device.type == "cuda"
     results = []
     for hidden, depth, batch, lr in configs:
         x = torch.randn(batch, 16, device=device)                   # the recipe's data: 16 features
@@ -40,15 +38,11 @@ def worker(rank, world_size, configs, rounds, steps=20):
         times = {k: [] for k in runs}
         for r in range(rounds + 1):
             for name, model in runs.items():
-                sync()
+                hardware.synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(steps):
-                    opts[name].zero_grad(set_to_none=True)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                        loss = F.cross_entropy(model(x).float(), y)
-                    loss.backward()
-                    opts[name].step()
-                sync()
+                    train_ddp.train_step(model, opts[name], x, y, amp=on_gpu)   # the recipe's own step
+                hardware.synchronize(device)
                 if r:  # round 0 warms up
                     times[name].append((time.perf_counter() - t0) / steps)
         results.append({k: statistics.median(v) for k, v in times.items()})

@@ -1,6 +1,6 @@
 """Data-parallel scaling on a CPU: 2 ranks of 1 thread each against 1 rank of 1 thread, side by side.
 
-Goal (issue 4): >= 1.7x the samples/s on a compute-bound model on a 2-core machine.  Both are torch
+Goal: >= 1.7x the samples/s on a compute-bound model on a 2-core machine.  Both are torch
 DDP over Gloo with the same batch per rank (so the global batch doubles), measured alternately
 ``--rounds`` times; the median of each is compared.
 
@@ -10,7 +10,8 @@ import argparse
 import functools
 import statistics
 
-from course_lib import hardware, measure
+from course_lib import hardware
+from course_lib.data_parallel import measure
 from course_lib.launch import run
 
 

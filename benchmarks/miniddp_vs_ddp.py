@@ -1,13 +1,14 @@
 """Step time of the from-scratch MiniDDP against torch's DistributedDataParallel, side by side.
 
-Goal (issue 4): MiniDDP's step time <= 1.25x torch DDP's.  Both wrap the same model in the same
+Goal: MiniDDP's step time <= 1.25x torch DDP's.  Both wrap the same model in the same
 process group and alternate, a few steps each, for ``--rounds`` rounds; medians are compared.
 
     python benchmarks/miniddp_vs_ddp.py [--ranks 2] [--rounds 15]
 """
 import argparse
 
-from course_lib import hardware, measure
+from course_lib import hardware
+from course_lib.data_parallel import measure
 from course_lib.launch import run
 
 
@@ -23,7 +24,8 @@ def main():
     t = run(measure.compare_wrappers_worker, a.ranks, a.width, a.depth, a.batch, a.rounds, 5, backend="gloo",
             show_output=False)[0]
     ratio = t["mini_ddp"] / t["torch_ddp"]
-    print(f"{a.ranks} ranks, MLP {a.width} wide, {a.depth} layers, batch {a.batch} per rank, median of {a.rounds} rounds")
+    print(f"{a.ranks} ranks, MLP {a.width} wide, {a.depth} layers, batch {a.batch} per rank, "
+          f"median of {a.rounds} rounds")
     print(f"  MiniDDP  : {t['mini_ddp'] * 1e3:7.2f} ms/step")
     print(f"  torch DDP: {t['torch_ddp'] * 1e3:7.2f} ms/step")
     print(f"ratio MiniDDP / torch DDP = {ratio:.2f}x (goal <= 1.25: {'met' if ratio <= 1.25 else 'NOT met'})")

@@ -1,6 +1,36 @@
 """course_lib: the tested code behind the notebooks of the distributed-training course.
 
-Start with :func:`course_lib.launch.run` (a function on N ranks from a notebook cell) and
-:mod:`course_lib.hardware` (what this machine has). ``python -m course_lib doctor`` is the preflight.
+The layers, each using only those above it:
+
+========================  ==================================================================================
+``hardware``              what this machine has; the backend policy; each rank's device (by local rank)
+``launch/``               ranks from a notebook cell (``launch.run``), the rank's side (``launch.worker``),
+                          errors, and ``torchrun`` jobs from a cell (``launch.commands``)
+``data``, ``models/``     generated data sets; the course's models, built from a seed
+``checkpoint``            atomic saves by one rank, safe loads on every rank
+``comm/``                 collectives' meaning, all-reduce from scratch, the α-β cost model
+``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
+``model_parallel/``       layers split across devices in one process
+``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
+``memory/``               the bytes training needs, predicted and measured
+``faults``                things broken on purpose, each ending as a clear error
+``viz/``                  pictures, explorers (widgets) and source listings
+``exercises/``            the checks of the notebooks' exercises
+``recipes/``              scripts that run unchanged under torchrun (and SLURM)
+``course_map``, ``doctor``  the notebooks and what runs here (``python -m course_lib map|doctor``)
+========================  ==================================================================================
+
+Notebook → the modules it shows and uses:
+
+* 00 welcome: ``course_map``, ``doctor``, ``hardware``, ``launch``
+* 01 ranks and collectives: ``launch``, ``comm.collectives``, ``viz.collectives``, ``viz.widgets``, ``exercises.ex01``
+* 02 all-reduce from scratch: ``comm.allreduce``, ``comm.costmodel``, ``viz``, ``exercises.ex02``
+* 03 data parallelism: ``data_parallel`` (``mini_ddp``, ``training``, ``ddp_features``, ``measure``),
+  ``viz.training``, ``exercises.ex03``
+* 04 DDP with NCCL and torchrun: ``recipes.train_ddp``, ``launch.commands``, ``data_parallel.measure``,
+  ``comm.costmodel``
+* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``)
+* 06 pipeline schedules: ``pipeline_parallel``, ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``)
+* 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -9,7 +9,7 @@ def main(argv=None) -> int:
         from .doctor import main as doctor
         return doctor(argv[1:])
     if command == "map":
-        from .course import markdown_table
+        from .course_map import markdown_table
         print(markdown_table())
         return 0
     print("usage: python -m course_lib doctor [--no-smoke]   the preflight: what runs on this machine\n"

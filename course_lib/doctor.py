@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 
-from . import course, hardware, slurm
+from . import course_map, hardware
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 SHM_FAIL_MIB = 256   # Docker's default is 64 MiB: DataLoader workers and NCCL run out of it
@@ -26,18 +27,29 @@ class Check:
     fix: str = ""
 
 
+WHY = {"torch": "the course", "cloudpickle": "course_lib.launch", "matplotlib": "the pictures",
+       "ipywidgets": "the explorers", "numpy": "the measurements", "tqdm": "progress bars",
+       "jupyterlab": "opening the notebooks", "nbval": "testing the notebooks"}
+TOOLS = ("jupyterlab", "nbval")   # needed to open or test the notebooks, not by course_lib itself
+
+
+def requirements() -> list[str]:
+    """The names in ``course_lib/requirements.txt``: the one dependency list (pyproject.toml reads it too)."""
+    from importlib.resources import files
+    text = (files("course_lib") / "requirements.txt").read_text(encoding="utf-8")
+    lines = (line.split("#")[0].strip() for line in text.splitlines())
+    return [re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0] for line in lines if line]
+
+
 def _packages() -> list[Check]:
-    needed = {"torch": "the course", "cloudpickle": "course_lib.launch", "matplotlib": "the pictures",
-              "ipywidgets": "the explorers", "numpy": "the measurements"}
-    optional = {"jupyterlab": "opening the notebooks", "nbval": "testing the notebooks"}
     out = []
-    for name, why in {**needed, **optional}.items():
+    for name in [*requirements(), *TOOLS]:
         try:
             mod = importlib.import_module(name)
             out.append(Check(name, OK, getattr(mod, "__version__", "installed")))
         except ImportError:
-            fatal = name in needed
-            out.append(Check(name, FAIL if fatal else WARN, f"missing (needed for {why})",
+            fatal = name not in TOOLS
+            out.append(Check(name, FAIL if fatal else WARN, f"missing (needed for {WHY.get(name, 'the course')})",
                              "pip install -e '.[test]'   (or: make setup)"))
     return out
 
@@ -54,7 +66,8 @@ def shm_mib(path: str = "/dev/shm") -> float | None:
 def _shm(size_mib: float | None) -> Check:
     if size_mib is None:
         return Check("/dev/shm", INFO, "not present on this system (fine outside Linux)")
-    fix = "in Docker: docker run --shm-size=2g ... (or --ipc=host); on Kubernetes: mount an emptyDir with medium: Memory"
+    fix = ("in Docker: docker run --shm-size=2g ... (or --ipc=host); "
+           "on Kubernetes: mount an emptyDir with medium: Memory")
     if size_mib < SHM_FAIL_MIB:
         return Check("/dev/shm", FAIL, f"{size_mib:.0f} MiB: too small for multi-process training", fix)
     if size_mib < SHM_WARN_MIB:
@@ -62,23 +75,33 @@ def _shm(size_mib: float | None) -> Check:
     return Check("/dev/shm", OK, f"{size_mib / 1024:.1f} GiB")
 
 
-def _gloo_smoke() -> Check:
+def _smoke(backend: str, world_size: int, fix: str) -> Check:
+    """A real all-reduce on ``world_size`` ranks: each adds its rank + 1, so every rank must end with the
+    same triangle number. NCCL's tensors are on each rank's own GPU, Gloo's in CPU memory."""
     from .launch import run
 
-    def smoke(rank, world_size):
+    def smoke(rank, n):
         import torch
         import torch.distributed as dist
-        t = torch.full((1024,), float(rank + 1))
+
+        from course_lib.hardware import rank_device
+        t = torch.full((1024,), float(rank + 1), device=rank_device())
         dist.all_reduce(t)
         return t[0].item()
+    name = f"{backend} {world_size}-rank all_reduce"
     try:
-        out = run(smoke, 2, backend="gloo", timeout=120, show_output=False)
+        out = run(smoke, world_size, backend=backend, timeout=180, show_output=False)
     except Exception as e:  # report it: the preflight must finish
-        return Check("gloo 2-rank all_reduce", FAIL, f"{type(e).__name__}: {str(e).splitlines()[0]}",
-                     "check that 127.0.0.1 is reachable (loopback) and that no firewall blocks local ports")
-    if out != [3.0, 3.0]:
-        return Check("gloo 2-rank all_reduce", FAIL, f"wrong result {out}, expected [3.0, 3.0]")
-    return Check("gloo 2-rank all_reduce", OK, "2 ranks agreed on 1 + 2 = 3")
+        return Check(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0]}", fix)
+    want = float(sum(range(1, world_size + 1)))
+    if out != [want] * world_size:
+        return Check(name, FAIL, f"wrong result {out}, expected {[want] * world_size}", fix)
+    terms = " + ".join(str(r + 1) for r in range(world_size))
+    return Check(name, OK, f"{world_size} rank{'s' if world_size > 1 else ''} agreed on {terms} = {want:g}")
+
+
+def _gloo_smoke() -> Check:
+    return _smoke("gloo", 2, "check that 127.0.0.1 is reachable (loopback) and that no firewall blocks local ports")
 
 
 def torch_peer_access(i: int, j: int) -> bool:
@@ -97,35 +120,31 @@ def _peer_access(n: int, can_access) -> Check:
 
 
 def _nccl_smoke(world_size: int) -> Check:
-    from .launch import run
-
-    def smoke(rank, n):
-        import torch
-        import torch.distributed as dist
-        t = torch.full((1024,), float(rank + 1), device=f"cuda:{rank}")
-        dist.all_reduce(t)
-        return t[0].item()
-    name = f"nccl {world_size}-rank all_reduce"
-    try:
-        out = run(smoke, world_size, backend="nccl", timeout=180, show_output=False)
-    except Exception as e:
-        return Check(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0]}",
-                     "rerun with NCCL_DEBUG=INFO; in Docker use --ipc=host (or --shm-size) and --gpus all")
-    want = float(sum(range(1, world_size + 1)))
-    ok = out == [want] * world_size
-    return Check(name, OK if ok else FAIL, f"{world_size} GPU rank(s) agreed on {want:g}" if ok else f"wrong result {out}")
+    return _smoke("nccl", world_size,
+                  "rerun with NCCL_DEBUG=INFO; in Docker use --ipc=host (or --shm-size) and --gpus all")
 
 
-def _slurm(found: "slurm.Cluster | None") -> Check:
-    """Can the SLURM batch script be tried here? (Notebook 04 submits it where a controller answers.)"""
+def _slurm(found) -> Check:
+    """Can the SLURM batch script be tried here? (Notebook 04 submits it where a controller answers.)
+    ``found``: what :func:`course_lib.launch.slurm.probe` saw."""
+    from .launch.slurm import LOCAL_CLUSTER
     if found is None:
         return Check("SLURM", INFO, "absent: notebook 04 shows the batch script's commands instead of running them; "
-                     f"to try them on this machine (Debian/Ubuntu, root): {slurm.LOCAL_CLUSTER}")
+                     f"to try them on this machine (Debian/Ubuntu, root): {LOCAL_CLUSTER}")
     if found.name is None:
         return Check("SLURM", WARN, f"{found.version}, but no controller answers ({found.error})",
-                     f"start slurmctld and slurmd, or a local cluster: {slurm.LOCAL_CLUSTER}")
+                     f"start slurmctld and slurmd, or a local cluster: {LOCAL_CLUSTER}")
     nodes = ", ".join(f"{n} {state}" for n, state in found.nodes.items()) or "no nodes"
     return Check("SLURM", OK, f"{found.version}, cluster {found.name!r}: {nodes}")
+
+
+def _slurm_here() -> Check:
+    # the launch package needs cloudpickle, which may be what is missing
+    try:
+        from .launch import slurm
+    except ImportError as e:
+        return Check("SLURM", INFO, f"not checked ({e})")
+    return _slurm(slurm.probe())
 
 
 def checks(smoke: bool = True) -> list[Check]:
@@ -150,7 +169,8 @@ def checks(smoke: bool = True) -> list[Check]:
     out.append(Check("CPU cores", OK if hardware.cpu_count() >= 2 else WARN, str(hardware.cpu_count()),
                      "2+ cores make the multi-rank timings meaningful"))
     out.append(_shm(shm_mib()))
-    out.append(_slurm(slurm.probe()))
+    out.append(_notebooks())
+    out.append(_slurm_here())
     if smoke and b["gloo"]:
         out.append(_gloo_smoke())
     return out
@@ -160,16 +180,24 @@ def notebook_table(gpu_count: int | None = None, failed: bool = False) -> list[t
     """(notebook, 'full' / 'partial' / 'no' [+ why]) for this machine."""
     n = hardware.gpu_count() if gpu_count is None else gpu_count
     rows = []
-    for nb in course.NOTEBOOKS:
-        if not nb.available:
-            rows.append((nb.file, "not written yet"))
-        elif failed:
+    for nb in course_map.NOTEBOOKS:
+        if failed:
             rows.append((nb.file, "no (fix the FAIL lines above first)"))
         else:
-            s = course.support(nb, n)
+            s = course_map.support(nb, n)
             why = "" if s == "full" else f" (all cells need {nb.gpus_for_all} GPUs; the rest runs on CPU)"
             rows.append((nb.file, s + why))
     return rows
+
+
+def _notebooks() -> Check:
+    found = course_map.notebook_dir()
+    if found:
+        return Check("notebooks", OK, f"in {found}")
+    looked = ", ".join(map(str, course_map.searched()))
+    return Check("notebooks", WARN, f"not found (looked in: {looked})",
+                 "run from the course's folder (the one holding notebooks/), "
+                 "or set COURSE_NOTEBOOKS=/path/to/notebooks")
 
 
 def report(smoke: bool = True) -> tuple[str, bool]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .launch import LaunchError, run
 
 
 def announce() -> None:
@@ -45,6 +46,26 @@ def all_gone(pids: list[int], within: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def expect_failure(fn, world_size: int, error: type[LaunchError] = LaunchError, within: float | None = None,
+                   quiet: bool = False, **run_kwargs) -> LaunchError:
+    """Run a broken worker on Gloo ranks and return the error it ended with, after checking the promises:
+    it raised ``error``, within ``within`` seconds, and no rank that announced itself is still running.
+
+    Raises ``AssertionError`` (saying which promise broke) otherwise; prints the error's first line unless
+    ``quiet``."""
+    start = time.monotonic()
+    try:
+        run(fn, world_size, backend="gloo", show_output=False, **run_kwargs)
+    except error as e:
+        elapsed = time.monotonic() - start
+        if not quiet:
+            print(f"{type(e).__name__} after {elapsed:.1f} s:\n  " + str(e).splitlines()[0][:300])
+        assert within is None or elapsed < within, f"took {elapsed:.1f} s, promised under {within} s"
+        assert all_gone(pids_in(e.outputs)), "a rank was left behind"
+        return e
+    raise AssertionError(f"the broken worker {getattr(fn, '__name__', fn)} did not fail")
 
 
 # ---- hangs --------------------------------------------------------------------------------------------
@@ -150,7 +171,7 @@ class RunsCodeWhenLoaded:
 
 def seeds_worker(rank, world_size):
     """Same seed everywhere vs. seed + rank: for augmentation noise and for model initialisation."""
-    from .data import make_mlp
+    from .models import make_mlp
     torch.manual_seed(0)
     noise_same = torch.rand(3)
     torch.manual_seed(0 + rank)
@@ -164,7 +185,9 @@ def seeds_worker(rank, world_size):
 def loss_logging_worker(rank, world_size):
     """Each rank's loss on its own shard, and the mean over ranks (what should be logged)."""
     import torch.nn.functional as F
-    from .data import make_dataset, make_mlp
+
+    from .data import make_dataset
+    from .models import make_mlp
     x, y = make_dataset(64 * world_size, seed=9).tensors
     local = F.cross_entropy(make_mlp(seed=0)(x[rank::world_size]), y[rank::world_size]).detach()
     mean = local.clone()

@@ -87,37 +87,49 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def default_backend(world_size: int = 1) -> str:
-    """``'nccl'`` when each of ``world_size`` ranks can have its own GPU, otherwise ``'gloo'``."""
-    if backends()["nccl"] and gpu_count() >= world_size:
+def default_backend(local_world_size: int = 1) -> str:
+    """``'nccl'`` when each of the ``local_world_size`` ranks on this machine can have a GPU of its own,
+    otherwise ``'gloo'``.  The one backend policy of the course: ``launch.run`` and the recipes use it."""
+    if backends()["nccl"] and 0 < local_world_size <= gpu_count():
         return "nccl"
     return "gloo"
 
 
-def check_backend(backend: str | None, world_size: int) -> str:
+def check_backend(backend: str | None, local_world_size: int) -> str:
     """Resolve ``backend`` (``None`` means :func:`default_backend`) and refuse what cannot work.
 
-    Raises ``ValueError`` at once, with what to do, instead of letting a run fail later inside NCCL.
+    ``local_world_size`` is the number of ranks on *this* machine (all of them for ``launch.run``;
+    ``LOCAL_WORLD_SIZE`` under torchrun).  Raises ``ValueError`` at once, with what to do, instead of
+    letting a run fail later inside NCCL.
     """
     if backend is None:
-        return default_backend(world_size)
+        return default_backend(local_world_size)
     backend = str(backend).lower()
+    gloo = "use the gloo backend (backend='gloo'; --backend gloo for a script)"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} (or None to pick one)")
     if backend == "nccl" and gpu_count() == 0:
-        raise ValueError("backend='nccl' needs CUDA GPUs and this machine has none: "
-                         "use backend='gloo' (or None) to run the ranks on the CPU.")
+        raise ValueError(f"the nccl backend needs CUDA GPUs and this machine has none: {gloo} to run the ranks "
+                         "on the CPU.")
     if not backends()[backend]:
         have = [b for b, ok in backends().items() if ok]
-        raise ValueError(f"this build of torch has no {backend!r} backend; it has {have}. Use backend='gloo'.")
+        raise ValueError(f"this build of torch has no {backend!r} backend; it has {have}: {gloo}.")
     if backend == "nccl":
         n = gpu_count()
-        if world_size > n:
+        if local_world_size > n:
             raise ValueError(
-                f"backend='nccl' needs one GPU per rank: {world_size} ranks were asked for and this machine "
-                f"has {n} GPU{'s' if n != 1 else ''}. NCCL refuses two ranks on one GPU: use backend='gloo' to "
-                f"run several ranks on one GPU, or world_size<={n}.")
+                f"the nccl backend needs one GPU per rank: {local_world_size} ranks on this machine and it has "
+                f"{n} GPU{'s' if n != 1 else ''}. NCCL refuses two ranks on one GPU: {gloo} to run several ranks "
+                f"on one GPU, or start at most {n} rank{'s' if n != 1 else ''} here.")
     return backend
+
+
+def local_rank() -> int:
+    """This process's index on its machine: ``LOCAL_RANK`` as the launcher set it (``launch.run`` and
+    torchrun both do), else the global rank of a running process group, else 0."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def device_for_rank(local_rank: int, backend: str | None = None) -> torch.device:
@@ -134,6 +146,21 @@ def device_for_rank(local_rank: int, backend: str | None = None) -> torch.device
     if n:
         return torch.device("cuda", local_rank % n)
     return torch.device("cpu")
+
+
+def rank_device() -> torch.device:
+    """Where this rank's tensors live in a running process group: its own GPU under NCCL (chosen by its
+    local rank), the CPU under Gloo (whose hand-written point-to-point paths need host memory)."""
+    if dist.get_backend() == "nccl":
+        return device_for_rank(local_rank(), "nccl")
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device`` to finish its queued work before reading a clock (a GPU runs asynchronously;
+    a CPU has nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def map_device(requested: str | torch.device, verbose: bool = True) -> torch.device:

@@ -34,7 +34,7 @@ RECIPE_ARGS = ("--epochs", "3", "--samples", "600", "--hidden", "32")
 def uninterrupted():
     """The recipe's summary for ``RECIPE_ARGS`` on 2 ranks of one torchrun: the weights that a resumed, restarted,
     two-node or SLURM run of the same job must end with."""
-    from course_lib.commands import json_lines, torchrun
+    from course_lib.launch.commands import json_lines, torchrun
     out = torchrun(RECIPE, *RECIPE_ARGS, nproc_per_node=2, module=True, echo=False, timeout=300)
     return json_lines(out.output)[-1]
 

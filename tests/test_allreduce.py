@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import allreduce
+from course_lib.comm import allreduce
 from course_lib.launch import run
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
@@ -20,7 +20,8 @@ def compare_with_library(rank, world_size):
             x = (torch.randn(size, generator=g) * 1000).to(dtype)
             total = x.clone()
             dist.all_reduce(total)
-            mean = total / world_size if dtype.is_floating_point else torch.div(total, world_size, rounding_mode="floor")
+            mean = (total / world_size if dtype.is_floating_point
+                    else torch.div(total, world_size, rounding_mode="floor"))
             for name in HAND_WRITTEN:
                 for op, want in (("sum", total), ("avg", mean)):
                     got = allreduce.IMPLEMENTATIONS[name](x.clone(), op=op)
@@ -105,7 +106,7 @@ def test_traffic_per_rank_matches_the_text(world_size):
 
 
 def test_ring_stepper_widget_follows_its_sliders():
-    from course_lib.widgets import RingStepper
+    from course_lib.viz.widgets import RingStepper
     st = RingStepper(world_size=3, step=2)
     assert st.state == allreduce.ring_state(3, 2)
     st.world_size.value = 6

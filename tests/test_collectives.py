@@ -1,9 +1,10 @@
 """The reference meaning of every collective equals what torch.distributed does, on 1 to 8 ranks."""
 import pytest
 
-from course_lib import collectives, viz
+from course_lib import viz
+from course_lib.comm import collectives
 from course_lib.launch import run
-from course_lib.widgets import CollectiveExplorer, collective_state
+from course_lib.viz.widgets import CollectiveExplorer, collective_state
 
 
 def run_all(rank, world_size):

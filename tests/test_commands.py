@@ -4,9 +4,9 @@ import textwrap
 import time
 
 import pytest
-
-from course_lib.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 from conftest import descendants, wait_gone
+
+from course_lib.launch.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
@@ -36,7 +36,8 @@ def test_run_command_raises_with_the_tail_of_the_output():
 
 def test_run_command_timeout_stops_the_process_tree():
     before = descendants()
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
     start = time.monotonic()
     with pytest.raises(CommandError, match="did not finish within 2 s"):
         run_command([sys.executable, "-c", code], timeout=2, echo=False)

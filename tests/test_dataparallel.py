@@ -1,14 +1,16 @@
 """Hand-written data parallelism and MiniDDP equal torch DDP and one process on the global batch."""
 import os
+import pickle
 
 import pytest
 import torch
 
-from course_lib import checkpoint, ddp_tour, measure, training, viz_dp
-from course_lib.data import WithExtras, make_dataset, make_mlp
-from course_lib.dataparallel import MiniDDP
-from course_lib.launch import RankError, run
-from course_lib.training import TrainConfig, max_difference
+from course_lib import checkpoint, viz
+from course_lib.data import make_dataset
+from course_lib.data_parallel import MiniDDP, ddp_features, measure, training
+from course_lib.data_parallel.training import TrainConfig, max_difference
+from course_lib.launch import RankError, RunTimeoutError, run
+from course_lib.models import WithExtras, make_mlp
 
 TOL = 1e-5
 
@@ -77,14 +79,14 @@ def test_timeline_shows_overlap():
 
 def test_no_sync_accumulation_equals_one_big_step():
     for world_size in (1, 2, 3):
-        out = run(ddp_tour.accumulation_worker, world_size, backend="gloo", show_output=False)
+        out = run(ddp_features.accumulation_worker, world_size, backend="gloo", show_output=False)
         assert all(r["max_difference"] < 1e-6 for r in out)
         assert all(r["grads_differed_before_sync"] == (world_size > 1) for r in out)
 
 
 def test_checkpoint_from_rank_0_loads_everywhere(tmp_path):
     path = tmp_path / "ckpt.pt"
-    out = run(ddp_tour.checkpoint_worker, 3, str(path), backend="gloo", show_output=False)
+    out = run(ddp_features.checkpoint_worker, 3, str(path), backend="gloo", show_output=False)
     assert all(r["same_weights"] and r["step"] == 5 for r in out)
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
@@ -92,7 +94,7 @@ def test_checkpoint_from_rank_0_loads_everywhere(tmp_path):
 def test_atomic_save_keeps_the_old_checkpoint_when_a_save_fails(tmp_path):
     path = tmp_path / "ckpt.pt"
     checkpoint.save_atomic({"step": 1, "w": torch.ones(3)}, path)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.PicklingError):
         checkpoint.save_atomic({"step": 2, "bad": lambda: None}, path)  # cannot be pickled: fails mid-save
     assert checkpoint.load(path)["step"] == 1
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -125,10 +127,22 @@ def test_config_errors_are_clear():
 
 
 def test_sampler_pictures_use_the_real_sampler():
-    assert viz_dp.sampler_shards(10, 4) == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
-    assert viz_dp.sampler_shards(10, 4, drop_last=True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    _, same = viz_dp.draw_epoch_orders(8, 2, 3, set_epoch=False)
-    _, new = viz_dp.draw_epoch_orders(8, 2, 3, set_epoch=True)
+    assert training.sampler_shards(10, 4) == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
+    assert training.sampler_shards(10, 4, drop_last=True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    _, same = viz.draw_epoch_orders(8, 2, 3, set_epoch=False)
+    _, new = viz.draw_epoch_orders(8, 2, 3, set_epoch=True)
     assert same[0] == same[1] == same[2] and len({tuple(o) for o in new}) == 3
-    fig = viz_dp.draw_sampler(7, 3)
+    fig = viz.draw_sampler(7, 3)
     assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(map(str, [0, 3, 6, 1, 4, 0, 2, 5, 1]))
+
+
+def test_an_unused_parameter_fails_at_the_next_forward_unless_ddp_is_told():
+    with pytest.raises(RankError, match="Expected to have finished reduction in the prior iteration"):
+        run(ddp_features.unused_parameter_worker, 2, False, backend="gloo", show_output=False, timeout=60)
+    assert run(ddp_features.unused_parameter_worker, 2, True, backend="gloo", show_output=False) == ["2 steps"] * 2
+
+
+def test_uneven_inputs_hang_without_join_and_finish_with_it(no_leftovers):
+    with pytest.raises(RunTimeoutError):
+        run(ddp_features.uneven_inputs_worker, 2, False, backend="gloo", show_output=False, timeout=5)
+    assert run(ddp_features.uneven_inputs_worker, 3, True, backend="gloo", show_output=False) == [3, 4, 5]

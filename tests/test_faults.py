@@ -1,7 +1,6 @@
 """Broken on purpose: every hang ends as a clear error in time, with no process left; kills never corrupt
 an atomic checkpoint; the pitfall demos show what they claim."""
 import socket
-import time
 
 import pytest
 
@@ -10,13 +9,16 @@ from course_lib.launch import RankError, RunTimeoutError, run
 
 
 def ends_with(error, fn, world_size, within, **kwargs):
-    start = time.monotonic()
-    with pytest.raises(error) as info:
-        run(fn, world_size, backend="gloo", show_output=False, **kwargs)
-    assert time.monotonic() - start < within
-    assert faults.all_gone(faults.pids_in(info.value.outputs))
-    assert len(faults.pids_in(info.value.outputs)) == world_size  # every rank announced itself
-    return info.value
+    e = faults.expect_failure(fn, world_size, error, within, quiet=True, **kwargs)
+    assert len(faults.pids_in(e.outputs)) == world_size  # every rank announced itself
+    return e
+
+
+def test_expect_failure_refuses_a_worker_that_does_not_fail_or_is_too_slow():
+    with pytest.raises(AssertionError, match="did not fail"):
+        faults.expect_failure(lambda rank, world_size: None, 2, quiet=True)
+    with pytest.raises(AssertionError, match="promised under 0.01 s"):
+        faults.expect_failure(faults.mismatched_shapes, 2, RankError, within=0.01, quiet=True)
 
 
 def test_partial_collective_times_out_with_the_process_group_timeout(no_leftovers):
@@ -54,7 +56,11 @@ def test_port_in_use_fails_fast_and_says_so(no_leftovers):
 def test_kills_during_saves_never_corrupt_an_atomic_checkpoint(tmp_path):
     path = tmp_path / "atomic.pt"
     results = faults.kill_during_saves(str(path), atomic=True, kills=12, mib=32, seed=7)
-    assert all(r["loadable"] and r["step"] == r["killed_while_saving"] - 1 for r in results), results
+    assert all(r["loadable"] for r in results), results
+    # the last complete checkpoint: the one before the interrupted save, or that save itself when a loaded
+    # machine delivered the kill only after it had finished (seen once with other jobs on both cores)
+    assert all(r["step"] in (r["killed_while_saving"] - 1, r["killed_while_saving"]) for r in results), results
+    assert sum(r["step"] == r["killed_while_saving"] - 1 for r in results) >= len(results) // 2, results
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "atomic.pt"]
     assert len(leftovers) <= 1                      # at most the last killed writer's temporary file...
     checkpoint.save_atomic({"step": 99}, path)
@@ -81,6 +87,6 @@ def test_pitfall_demos_show_what_they_claim():
     assert distinct("noise_same") == 1 and distinct("noise_per_rank") == 3
     assert distinct("init_same") == 1 and distinct("init_per_rank") == 3
     losses = run(faults.loss_logging_worker, 4, backend="gloo", show_output=False)
-    mean = sum(l["local"] for l in losses) / 4
-    assert all(abs(l["mean"] - mean) < 1e-6 for l in losses) and len({l["local"] for l in losses}) == 4
+    mean = sum(loss["local"] for loss in losses) / 4
+    assert all(abs(loss["mean"] - mean) < 1e-6 for loss in losses) and len({loss["local"] for loss in losses}) == 4
     assert all(t > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo", show_output=False))

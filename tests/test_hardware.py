@@ -12,7 +12,8 @@ def fake_gpus(monkeypatch, n, nccl=True):
 
 def test_detection_is_consistent():
     assert hardware.cpu_count() >= 1
-    assert hardware.gpu_count() == len(hardware.gpus()) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert hardware.gpu_count() == len(hardware.gpus()) == visible
     assert hardware.backends()["gloo"] is True
     v = hardware.versions()
     assert v["torch"] == torch.__version__ and v["python"].count(".") == 2
@@ -42,7 +43,7 @@ def test_check_backend_errors_say_what_to_do(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA GPUs and this machine has none"):
         hardware.check_backend("nccl", 1)
     fake_gpus(monkeypatch, 2)
-    with pytest.raises(ValueError, match=r"4 ranks were asked for and this machine has 2 GPUs.*backend='gloo'"):
+    with pytest.raises(ValueError, match=r"4 ranks on this machine and it has 2 GPUs.*backend='gloo'"):
         hardware.check_backend("NCCL", 4)
     assert hardware.check_backend("Gloo", 4) == "gloo"
 

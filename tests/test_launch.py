@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import env_with_path, wait_gone
 
 from course_lib import hardware, launch
 from course_lib.launch import RankDiedError, RankError, RunTimeoutError, run
-from conftest import env_with_path, wait_gone
 
 
 def test_results_in_rank_order_with_args_closures_and_lambdas(no_leftovers):
@@ -148,7 +148,7 @@ def test_other_bad_arguments_fail_at_once():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_nccl_without_gpus_says_use_gloo():
-    with pytest.raises(ValueError, match="has none: use backend='gloo'"):
+    with pytest.raises(ValueError, match=r"has none: use the gloo backend \(backend='gloo'"):
         run(lambda r, w: None, 1, backend="nccl")
 
 
@@ -156,7 +156,7 @@ def test_nccl_with_more_ranks_than_gpus_says_use_gloo(monkeypatch):
     monkeypatch.setattr(hardware, "gpu_count", lambda: 1)
     monkeypatch.setattr(hardware, "backends", lambda: {"gloo": True, "nccl": True, "mpi": False})
     start = time.monotonic()
-    with pytest.raises(ValueError, match="use backend='gloo' to run several ranks on one GPU"):
+    with pytest.raises(ValueError, match=r"use the gloo backend \(backend='gloo'.*\) to run several ranks on one GPU"):
         run(lambda r, w: None, 2, backend="nccl")
     assert time.monotonic() - start < 1
     assert hardware.check_backend(None, 2) == "gloo"

@@ -6,16 +6,13 @@ import torch
 import torch.nn as nn
 
 from course_lib import memory
-from course_lib.modelparallel import PipelinedSplit, same_outputs_and_grads, split_model
-from course_lib.widgets import MemoryCalculator
+from course_lib.model_parallel import PipelinedSplit, same_outputs_and_grads, split_model
+from course_lib.models import mlp
+from course_lib.viz.widgets import MemoryCalculator
 
 
 def deep_mlp(layers=6, width=16, seed=0):
-    torch.manual_seed(seed)
-    mods = []
-    for _ in range(layers // 2):
-        mods += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*mods)
+    return mlp([width] * (layers // 2 + 1), nn.Tanh, last_activation=True, seed=seed)
 
 
 @pytest.mark.parametrize("points", [[1], [2], [4], [5], [2, 4], [1, 3, 5]])
@@ -102,10 +99,20 @@ def test_memory_widget_driven_in_code():
     assert calc.state["breakdown"]["optimizer states"] == 0
 
 
+def test_memory_widget_keeps_the_number_typed_and_says_what_it_computed():
+    calc = MemoryCalculator(billions=7, dtype="bf16", optimizer="adam", device_gib=80)
+    assert calc.state["breakdown"] == memory.training_memory(7_000_000_000, "bf16", "adam")
+    assert "7 B parameters, bf16, adam" in calc.out.value and "104.3 GiB" in calc.out.value
+    calc.billions.value = 70.5                         # a text box: no slider step to round it
+    assert calc.billions.value == 70.5 and calc.state["breakdown"]["total"] == 70_500_000_000 * 16
+    bundle = calc._repr_mimebundle_()                  # what a saved notebook holds for the widget
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == calc.widget.model_id
+    assert "run this cell" in bundle["text/plain"]
+
+
 @pytest.mark.gpu
 def test_timeline_on_a_gpu_comes_from_cuda_events_without_stopping_the_queue():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())])
+    model = mlp([512] * 5, nn.Tanh, last_activation=True, seed=0)
     split = split_model(model, [4], ["cuda:0", "cuda:1"], verbose=False)   # one GPU: both parts on cuda:0
     piped = PipelinedSplit(split, 4)
     x = torch.randn(256, 512, device=split.devices[0])

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import pipeline as P
+from course_lib import pipeline_parallel as P
 from course_lib import viz
 from course_lib.launch import run
-from course_lib.widgets import ScheduleExplorer
+from course_lib.viz.widgets import ScheduleExplorer
 
 
 @pytest.mark.parametrize("kind", P.KINDS)
@@ -14,7 +14,8 @@ from course_lib.widgets import ScheduleExplorer
 def test_schedules_are_complete_and_the_simulated_bubble_is_the_formula(kind, stages, micro_batches):
     plan = P.schedule(kind, stages, micro_batches)
     for ops in plan:
-        assert sorted(ops) == sorted([("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)])
+        every = [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
+        assert sorted(ops) == sorted(every)
         assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(micro_batches))
     sim = P.simulate(kind, stages, micro_batches)
     assert sim["bubble"] == pytest.approx(P.bubble_formula(stages, micro_batches))

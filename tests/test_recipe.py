@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import RECIPE
+from conftest import RECIPE_ARGS as ARGS
 
-from conftest import RECIPE, RECIPE_ARGS as ARGS
-from course_lib.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
+from course_lib.launch.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 from course_lib.recipes import train_ddp
 
 CRASH_JOBS = int(os.environ.get("COURSE_CRASH_JOBS", "10"))   # two-node crash-and-restart jobs (10 in CI)
@@ -111,18 +112,26 @@ def test_nccl_without_gpus_fails_with_the_fix():
     with pytest.raises(CommandError) as info:
         run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", RECIPE,
                      "--backend", "nccl"], echo=False, timeout=120)
-    assert "needs CUDA GPUs and this machine has none: use --backend gloo" in info.value.output
+    assert "needs CUDA GPUs and this machine has none" in info.value.output and "--backend gloo" in info.value.output
 
 
-def test_choose_backend_rules():
-    assert train_ddp.choose_backend(None, 2, 0, False) == "gloo"
-    assert train_ddp.choose_backend(None, 2, 2, True) == "nccl"
-    assert train_ddp.choose_backend(None, 3, 2, True) == "gloo"
-    assert train_ddp.choose_backend("gloo", 8, 8, True) == "gloo"
-    with pytest.raises(SystemExit, match="3 ranks on this node but 2 GPU"):
-        train_ddp.choose_backend("nccl", 3, 2, True)
-    with pytest.raises(SystemExit, match="has no NCCL"):
-        train_ddp.choose_backend("nccl", 1, 1, False)
+def test_the_recipe_uses_the_courses_one_backend_policy(monkeypatch):
+    from course_lib import hardware
+
+    def fake(gpus, nccl=True):
+        monkeypatch.setattr(hardware, "gpu_count", lambda: gpus)
+        monkeypatch.setattr(hardware, "backends", lambda: {"gloo": True, "nccl": nccl, "mpi": False})
+    for gpus, local_ranks, nccl, want in ((0, 2, False, "gloo"), (2, 2, True, "nccl"), (2, 3, True, "gloo"),
+                                          (8, 8, True, "nccl")):
+        fake(gpus, nccl)
+        assert train_ddp.choose_backend(None, local_ranks) == hardware.default_backend(local_ranks) == want
+    assert train_ddp.choose_backend("gloo", 8) == "gloo"
+    fake(2)
+    with pytest.raises(SystemExit, match="3 ranks on this machine and it has 2 GPUs.*--backend gloo"):
+        train_ddp.choose_backend("nccl", 3)
+    fake(1, nccl=False)
+    with pytest.raises(SystemExit, match="has no 'nccl' backend"):
+        train_ddp.choose_backend("nccl", 1)
 
 
 def test_launch_env_names_what_is_missing():

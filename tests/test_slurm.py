@@ -11,11 +11,12 @@ import time
 from datetime import datetime
 
 import pytest
+from conftest import RECIPE_ARGS as ARGS
+from conftest import ROOT
 
-from conftest import RECIPE_ARGS as ARGS, ROOT
-from course_lib import slurm
-from course_lib.commands import CommandError, json_lines
 from course_lib.hardware import cpu_count
+from course_lib.launch import slurm
+from course_lib.launch.commands import CommandError, json_lines
 
 SCRIPT = os.path.join(ROOT, "course_lib", "recipes", "slurm_ddp.sbatch")
 CPUS = min(2, cpu_count())                                  # per node: the local cluster's nodes have this host's

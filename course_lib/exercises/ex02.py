@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..allreduce import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce  # noqa: F401 (references)
+from ..comm.allreduce import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce  # noqa: F401 (references)
 from . import passed, run_attempt, wrong
 
 WORLD_SIZES = (2, 3, 4)
@@ -19,7 +19,8 @@ CASES = ((torch.float32, 1000), (torch.float64, 7), (torch.int64, 2), (torch.flo
 UNEVEN = ("sizes not divisible by world_size, or smaller than it, give uneven or empty chunks (and tensor.chunk "
           "then returns fewer than world_size of them): tensor.tensor_split(world_size) always returns world_size "
           "chunks; empty ones need no message.")
-HINTS = {"size": UNEVEN, "index out of range": UNEVEN, "shape": "the buffer you receive into must have the sender's shape."}
+HINTS = {"size": UNEVEN, "index out of range": UNEVEN,
+         "shape": "the buffer you receive into must have the sender's shape."}
 
 
 def trial(rank, world_size, fn):
@@ -56,9 +57,11 @@ def _diagnose(per_rank, n) -> str | None:
             return f"{where}: every rank still holds its own data. Modify `tensor` in place (or return the result)."
         if k["got"].is_floating_point() and torch.allclose(k["got"] * n, k["expected"].to(k["got"].dtype)):
             return f"{where}: the result is the average; this check wants the sum (dist.all_reduce's default)"
-        missing = [r for r in range(n) if all(torch.equal(q["got"], q["expected"] - cases[r]["original"]) for q in cases)]
+        missing = [r for r in range(n)
+                   if all(torch.equal(q["got"], q["expected"] - cases[r]["original"]) for q in cases)]
         if missing:
-            return f"{where}: every rank got the sum without rank {missing[0]}'s data: did that rank forget its own tensor?"
+            return (f"{where}: every rank got the sum without rank {missing[0]}'s data: "
+                    "did that rank forget its own tensor?")
         extra = k["got"] - k["expected"]
         changed = extra != 0
         if any(torch.equal(extra[changed], q["original"][changed]) for q in cases):

@@ -1,1 +1,2 @@
-"""Training scripts that run unchanged under ``torchrun``: ``python -m torch.distributed.run ... -m course_lib.recipes.NAME``."""
+"""Training scripts that run unchanged under ``torchrun``:
+``python -m torch.distributed.run ... -m course_lib.recipes.NAME``."""

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from course_lib import checkpoint
-from course_lib.data import make_dataset, make_mlp
-from course_lib.hardware import cpu_count
+from course_lib import checkpoint, hardware
+from course_lib.data import make_dataset
+from course_lib.models import make_mlp
 
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_run", "losses")
 LAUNCH_HINT = "python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp"
@@ -105,19 +105,13 @@ def launch_env(environ=os.environ) -> dict[str, int]:
     return env
 
 
-def choose_backend(requested: str | None, local_world_size: int, gpu_count: int, nccl_available: bool) -> str:
-    """NCCL when every rank on this node can have its own GPU; refuse what cannot work, saying why."""
-    if requested is None:
-        return "nccl" if nccl_available and 0 < local_world_size <= gpu_count else "gloo"
-    if requested == "nccl":
-        if gpu_count == 0:
-            raise SystemExit("error: --backend nccl needs CUDA GPUs and this machine has none: use --backend gloo")
-        if not nccl_available:
-            raise SystemExit("error: this build of torch has no NCCL: use --backend gloo")
-        if local_world_size > gpu_count:
-            raise SystemExit(f"error: {local_world_size} ranks on this node but {gpu_count} GPU(s): NCCL needs one GPU "
-                             f"per rank. Use --nproc-per-node={gpu_count}, or --backend gloo")
-    return requested
+def choose_backend(requested: str | None, local_world_size: int) -> str:
+    """The course's one backend policy (:func:`course_lib.hardware.check_backend`): NCCL when every rank on
+    this node can have its own GPU, else Gloo; what cannot work stops the job at once, saying why."""
+    try:
+        return hardware.check_backend(requested, local_world_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def check_restarts(environ=os.environ) -> None:
@@ -131,7 +125,7 @@ def check_restarts(environ=os.environ) -> None:
     fix one node only: each node's agent counts its own restarts (the node whose worker died counts one; the
     others see a membership change, which does not count), so across nodes the ranks look for each other under
     different keys. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment makes every round start a
-    fresh store, hosted by that round's rank 0; ``course_lib.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
+    fresh store, hosted by that round's rank 0; ``course_lib.launch.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
     """
     shared = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
@@ -146,8 +140,7 @@ def check_restarts(environ=os.environ) -> None:
 def setup(args) -> Context:
     env = launch_env()
     check_restarts()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
+    backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"])
     if backend == "nccl":
         device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
         torch.cuda.set_device(device)                      # before init_process_group
@@ -184,6 +177,18 @@ def _why_unusable(e: Exception) -> str:
     return f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
 
 
+def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, amp: bool) -> torch.Tensor:
+    """One step: forward (in bf16 under autocast when ``amp``; the weights stay fp32), loss in fp32,
+    backward (DDP all-reduces the gradients during it), update. Returns the loss, not synchronised."""
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 class Trainer:
     def __init__(self, args, ctx: Context):
         self.args, self.ctx = args, ctx
@@ -198,7 +203,8 @@ class Trainer:
         self.amp = args.amp == "bf16" or (args.amp == "auto" and ctx.device.type == "cuda")
         self.epochs_run, self.losses = 0, []
         if args.crash_at_epoch is not None and not 0 <= args.crash_rank < ctx.world_size:
-            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job (0..{ctx.world_size - 1})")
+            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job "
+                             f"(0..{ctx.world_size - 1})")
         if args.checkpoint and os.path.exists(args.checkpoint):
             self._load_snapshot()
 
@@ -221,7 +227,8 @@ class Trainer:
             self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
         except Exception as e:                             # not ours, damaged, or another model's shape
             raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
-                             f"recipe wrote with the same --hidden ({self.args.hidden}) and --depth ({self.args.depth}):"
+                             f"recipe wrote with the same --hidden ({self.args.hidden}) and "
+                             f"--depth ({self.args.depth}):"
                              f" rerun with the options it was written with, or move it away to start afresh.") from e
         self.log(f"resumed from {self.args.checkpoint} after {self.epochs_run} epoch(s)")
 
@@ -246,12 +253,7 @@ class Trainer:
         for step, (x, y) in enumerate(bar):
             self._maybe_crash(epoch, step)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
-            with torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float(), y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            loss = train_step(self.model, self.optimizer, x, y, self.amp)
             totals += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.ctx.device)])
         dist.all_reduce(totals)                            # the mean loss over ALL ranks' samples
         return (totals[0] / totals[1]).item()
@@ -267,7 +269,8 @@ class Trainer:
             self.epochs_run = epoch + 1
             self.log(f"epoch {epoch + 1}/{self.args.epochs}: loss {loss:.4f} (mean over {self.ctx.world_size} ranks), "
                      f"{seen / (time.perf_counter() - t0):.0f} samples/s")
-            if self.args.checkpoint and (self.epochs_run % self.args.save_every == 0 or self.epochs_run == self.args.epochs):
+            due = self.epochs_run % self.args.save_every == 0 or self.epochs_run == self.args.epochs
+            if self.args.checkpoint and due:
                 self._save_snapshot()
         state = self.model.module.state_dict()
         if self.args.out and self.ctx.rank == 0:
@@ -275,7 +278,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return {"event": "done", "world_size": self.ctx.world_size, "backend": self.ctx.backend,
                 "device": self.ctx.device.type, "bf16": self.amp, "epochs": self.epochs_run, "losses": self.losses,
-                "samples_per_s": samples / elapsed if elapsed > 0 else None, "cpus": cpu_count(),  # cores it may use
+                "samples_per_s": samples / elapsed if elapsed > 0 else None,
+                "cpus": hardware.cpu_count(),                  # the cores it may use: what SLURM bound it to
                 "weights": fingerprint(state)}
 
 

@@ -1,4 +1,5 @@
-"""Print what the launcher told this worker, as JSON: ``python -m torch.distributed.run ... -m course_lib.recipes.whoami``.
+"""Print what the launcher told this worker, as JSON:
+``python -m torch.distributed.run ... -m course_lib.recipes.whoami``.
 
 Shows the difference between the global ``RANK`` and the ``LOCAL_RANK`` (the index on this node), and which
 GPU each would name: the seed program's ``set_device(get_rank())`` bug, in numbers.

@@ -4,7 +4,6 @@ live on the rank's GPU (and ``amp=True`` trains in bf16), with Gloo on the CPU.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -12,22 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import make_mlp
-from .dataparallel import MiniDDP
-from .hardware import device_for_rank
-from .training import TrainConfig, _wrap
-
-
-def _device() -> torch.device:
-    """The rank's GPU under NCCL (chosen by its local rank), the CPU under Gloo."""
-    if dist.get_backend() == "nccl":
-        return device_for_rank(int(os.environ.get("LOCAL_RANK", dist.get_rank())), "nccl")
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # GPUs run asynchronously: wait before reading a clock
+from ..hardware import rank_device, synchronize
+from ..models import make_mlp
+from .mini_ddp import MiniDDP
+from .training import TrainConfig, wrap
 
 
 def _step_fn(wrapped, model, opt, strategy, amp: bool = False):
@@ -43,14 +30,14 @@ def _step_fn(wrapped, model, opt, strategy, amp: bool = False):
 
 
 def _setup(width, depth, batch, strategy, amp=False):
-    device = _device()
+    device = rank_device()
     model = make_mlp(dim=width, hidden=width, classes=10, depth=depth).to(device)
-    wrapped = _wrap(model, TrainConfig(strategy=strategy))
+    wrapped = wrap(model, TrainConfig(strategy=strategy))
     step = _step_fn(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.01), strategy, amp)
     x, y = torch.randn(batch, width, device=device), torch.randint(10, (batch,), device=device)
     for _ in range(3):                             # warm-up: allocations, connections, kernels
         step(x, y)
-    _sync(device)
+    synchronize(device)
     return step, x, y, device
 
 
@@ -65,7 +52,7 @@ def timeline_worker(rank: int, world_size: int, width: int = 512, depth: int = 8
     for _ in range(3):                             # warm up; keep the last step's record
         opt.zero_grad()
         loss = F.cross_entropy(ddp(x), y)
-        forward_done = time.perf_counter() - ddp._t0
+        forward_done = ddp.elapsed()
         loss.backward()
         ddp.finish_gradient_synchronization()
         opt.step()
@@ -81,7 +68,7 @@ def throughput_worker(rank: int, world_size: int, width: int = 256, depth: int =
     t0 = time.perf_counter()
     for _ in range(steps):
         step(x, y)
-    _sync(device)
+    synchronize(device)
     dist.barrier()
     return world_size * batch * steps / (time.perf_counter() - t0)
 
@@ -101,7 +88,7 @@ def comm_share_worker(rank: int, world_size: int, width: int = 512, depth: int =
         t0 = time.perf_counter()
         for _ in range(steps):
             step(x, y)
-        _sync(device)
+        synchronize(device)
         wall = time.perf_counter() - t0
     comm_us = 0.0
     for e in prof.key_averages():
@@ -124,6 +111,6 @@ def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth:
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(x, y)
-            _sync(device)
+            synchronize(device)
             times[strategy].append((time.perf_counter() - t0) / steps)
     return {s: statistics.median(t) for s, t in times.items()}

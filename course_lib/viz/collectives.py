@@ -1,4 +1,4 @@
-"""Pictures of what ranks hold: before and after a collective, and a barrier's timeline.
+"""Pictures of what ranks hold: before and after a collective, a barrier's timeline, the ring's steps.
 
 Each rank is a row of cells.  A cell is coloured by the rank its value came from (rank 2's colour for
 ``23``), so data that *moved* keeps its colour; a value no rank started with (a sum) is grey.  The
@@ -9,11 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-REDUCED = "#bbbbbb"
-
-
-def rank_color(rank: int):
-    return plt.get_cmap("tab10")(rank % 10)
+from .style import REDUCED, rank_color
 
 
 def owner(value: float, before: list[list[float]]) -> int | None:
@@ -73,7 +69,8 @@ def draw_barrier(times: list[tuple[float, float]]):
     for rank, (arrive, leave) in enumerate(times):
         y = len(times) - 1 - rank
         ax.barh(y, arrive, color=rank_color(rank), alpha=0.5, label="working" if rank == 0 else None)
-        ax.barh(y, leave - arrive, left=arrive, color="0.8", hatch="//", label="waiting in barrier" if rank == 0 else None)
+        ax.barh(y, leave - arrive, left=arrive, color="0.8", hatch="//",
+                label="waiting in barrier" if rank == 0 else None)
     ax.axvline(max(a for a, _ in times), color="k", lw=1, ls="--", label="last rank arrives")
     ax.set_yticks(range(len(times)), [f"rank {r}" for r in reversed(range(len(times)))])
     ax.set_xlabel("seconds")
@@ -89,7 +86,7 @@ def draw_ring_state(world_size: int, step: int):
     A cell lists the ranks whose data a chunk holds (green when it holds all of them); a red frame marks
     the chunk each rank sends to its right-hand neighbour in the next step.
     """
-    from .allreduce import ring_sends, ring_state  # local import: viz stays importable on its own
+    from ..comm.allreduce import ring_sends, ring_state  # local import: pictures load without torch.distributed
 
     n = world_size
     state = ring_state(n, step)
@@ -126,7 +123,7 @@ def plot_all_reduce_sweep(sizes, results: dict, world_sizes: list[int]):
 
     ``results[world_size][implementation]`` is a list of seconds, one per entry of ``sizes`` (bytes).
     """
-    from .costmodel import busbw
+    from ..comm.costmodel import busbw
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.2))
     styles = ["-", "--", ":", "-."]
@@ -139,25 +136,5 @@ def plot_all_reduce_sweep(sizes, results: dict, world_sizes: list[int]):
     ax_t.set(xlabel="message size (bytes)", ylabel="time per all-reduce (s)", title="time")
     ax_b.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth = algbw·2(N−1)/N")
     ax_b.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
-
-
-def draw_pipeline(times: list[list[tuple]], title: str, unit: str = "s"):
-    """Gantt chart of a pipeline: one row per stage, forward ops blue, backward ops green, labelled by micro-batch.
-
-    ``times[stage]`` is a list of ``(op, micro_batch, start, end)``; works for :func:`pipeline.simulate`
-    output and for timelines measured by :func:`pipeline.pipeline_worker` alike.
-    """
-    stages = len(times)
-    fig, ax = plt.subplots(figsize=(10, 0.55 * stages + 1.2))
-    for s, ops in enumerate(times):
-        y = stages - 1 - s
-        for op, i, start, end in ops:
-            ax.barh(y, end - start, left=start, color="#4a90d9" if op == "F" else "#5cb85c", edgecolor="white")
-            ax.text((start + end) / 2, y, f"{op}{i}", ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(stages), [f"stage {s}" for s in reversed(range(stages))])
-    ax.set_xlabel(unit)
-    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig

@@ -71,7 +71,12 @@ class MiniDDP(nn.Module):
         self._next = 0                                       # the next bucket to launch, in order
         self._in_flight: list[tuple[int, torch.Tensor, object, dict]] = []
         self.timeline: list[dict] = []
+        self.backward_done: float | None = None             # set by finish_gradient_synchronization
         self._t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since this step's forward pass started (the clock of :attr:`timeline`)."""
+        return time.perf_counter() - self._t0
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
@@ -90,22 +95,22 @@ class MiniDDP(nn.Module):
         bucket = self.buckets[i]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
         entry = {"bucket": i, "params": len(bucket), "bytes": flat.numel() * flat.element_size(),
-                 "launched": time.perf_counter() - self._t0}
+                 "launched": self.elapsed()}
         work = dist.all_reduce(flat, async_op=True)
-        work.get_future().then(lambda _: entry.__setitem__("finished", time.perf_counter() - self._t0))
+        work.get_future().then(lambda _: entry.__setitem__("finished", self.elapsed()))
         self.timeline.append(entry)
         self._in_flight.append((i, flat, work, entry))
         self._next = i + 1
 
     def finish_gradient_synchronization(self) -> None:
         """Launch what is left (buckets with unused parameters), wait, and write the averages back."""
-        self.backward_done = time.perf_counter() - self._t0   # the caller has just finished backward()
+        self.backward_done = self.elapsed()                  # the caller has just finished backward()
         while self._next < len(self.buckets):
             self._launch(self._next)
         world_size = dist.get_world_size()
         for i, flat, work, entry in self._in_flight:
             work.wait()
-            entry.setdefault("finished", time.perf_counter() - self._t0)
+            entry.setdefault("finished", self.elapsed())
             flat /= world_size
             offset = 0
             for p in self.buckets[i]:

@@ -7,6 +7,8 @@ import linecache
 import os
 import signal
 
+from . import worker
+
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -80,7 +82,8 @@ def remote_traceback(frames, text: str, fn=None) -> str:
     if not frames:
         return text
     files = _code_files(fn) if fn is not None else {}
-    while len(frames) > 1 and frames[0][0].endswith(os.path.join("course_lib", "_rank.py")):
+    worker_file = os.path.normcase(worker.__file__)
+    while len(frames) > 1 and os.path.normcase(frames[0][0]) == worker_file:
         frames = frames[1:]  # the launcher's own frame tells the reader nothing
     lines = ["Traceback (most recent call last):"]
     for filename, lineno, name, line in frames:

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .runner import free_port
+
 
 class CommandError(RuntimeError):
     """A command failed or timed out: ``returncode`` (``None`` on timeout) and ``output``."""
@@ -171,8 +173,7 @@ def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: i
     torchrun (e.g. ``("--max-restarts=3",)``).  The "nodes" share this machine's cores: each worker gets
     ``OMP_NUM_THREADS`` = cores / workers (unless set), as torchrun does for the workers of one node.
     """
-    from .hardware import cpu_count
-    from .launch import free_port
+    from ..hardware import cpu_count
     _check_launch(target, module, cwd, nnodes=nnodes, nproc_per_node=nproc_per_node)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")

@@ -46,7 +46,8 @@ def _die_with_parent(lifeline) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _init_process_group(spec: dict) -> None:
+def init_process_group(spec: dict) -> None:
+    """Join the rendezvous (a client of the store the parent hosts) and initialise the default group."""
     import torch
     import torch.distributed as dist
 
@@ -88,7 +89,7 @@ def main(spec_bytes: bytes, conn, lifeline) -> None:
         # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again
         dist.set_debug_level_from_env()
         if spec["init"]:
-            _init_process_group(spec)
+            init_process_group(spec)
         fn, args = cloudpickle.loads(spec["payload"])
         result = fn(spec["rank"], spec["world_size"], *args)
         try:

@@ -1,14 +1,19 @@
 """The course map: every notebook, what it teaches, the hardware it needs and how long it runs.
 
 One list serves README's table (``python -m course_lib map`` prints it; a test keeps README equal to
-it), notebook 00, and the preflight's "what runs on this machine" table.
+it), notebook 00, and the preflight's "what runs on this machine" table.  A test keeps the list equal to
+the notebooks in the repository.
+
+The notebooks are not inside the installed package: :func:`notebook_dir` finds them (a source checkout,
+the current folder or one above it, or ``$COURSE_NOTEBOOKS``) and :func:`searched` says where it looked.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+FIRST = "00_welcome.ipynb"   # the file that marks a folder as the course's notebooks
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,8 @@ class Notebook:
     runtime_s: int | None = None
 
     @property
-    def path(self) -> Path:
-        return NOTEBOOK_DIR / self.file
-
-    @property
-    def available(self) -> bool:
-        return self.path.exists()
+    def number(self) -> str:
+        return self.file[:2]
 
 
 NOTEBOOKS: list[Notebook] = [
@@ -57,6 +58,22 @@ NOTEBOOKS: list[Notebook] = [
 ]
 
 
+def searched() -> list[Path]:
+    """Where :func:`notebook_dir` looks, in order: ``$COURSE_NOTEBOOKS``, the checkout this package lives in
+    (an editable install), then ``notebooks/`` in the current folder and in each folder above it."""
+    places = [Path(os.environ["COURSE_NOTEBOOKS"])] if os.environ.get("COURSE_NOTEBOOKS") else []
+    places.append(Path(__file__).resolve().parent.parent / "notebooks")
+    here = Path.cwd().resolve()
+    places += [d / "notebooks" for d in (here, *here.parents)]
+    places.append(here)                       # run from inside notebooks/ itself
+    return list(dict.fromkeys(places))
+
+
+def notebook_dir() -> Path | None:
+    """The folder holding the course's notebooks, or ``None`` when none of :func:`searched` has them."""
+    return next((d for d in searched() if (d / FIRST).is_file()), None)
+
+
 def support(nb: Notebook, gpu_count: int) -> str:
     """How much of ``nb`` runs on a machine with ``gpu_count`` GPUs: ``full``, ``partial`` or ``no``."""
     if gpu_count >= nb.gpus_for_all:
@@ -76,7 +93,7 @@ def markdown_table() -> str:
     """The course map as a Markdown table (README's copy is checked against this)."""
     rows = ["| # | notebook | you learn | hardware | 2-core CPU runtime |", "|---|---|---|---|---|"]
     for nb in NOTEBOOKS:
-        name = f"[{nb.title}](notebooks/{nb.file})" if nb.available else f"{nb.title} (coming)"
         runtime = f"~{nb.runtime_s} s" if nb.runtime_s else "—"
-        rows.append(f"| {nb.file[:2]} | {name} | {nb.learn} | {hardware_label(nb)} | {runtime} |")
+        link = f"[{nb.title}](notebooks/{nb.file})"
+        rows.append(f"| {nb.number} | {link} | {nb.learn} | {hardware_label(nb)} | {runtime} |")
     return "\n".join(rows)

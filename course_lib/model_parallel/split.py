@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .hardware import map_device
+from ..hardware import map_device
 
 
 class SplitModel(nn.Module):

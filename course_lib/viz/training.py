@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
-from torch.utils.data import DistributedSampler
 
-from .viz import rank_color
-
-
-def sampler_shards(n: int, world_size: int, drop_last: bool = False, shuffle: bool = False,
-                   epoch: int = 0, seed: int = 0) -> list[list[int]]:
-    """The indices each rank's DistributedSampler yields (the real sampler, not a re-implementation)."""
-    shards = []
-    for rank in range(world_size):
-        s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle,
-                               seed=seed, drop_last=drop_last)
-        s.set_epoch(epoch)
-        shards.append(list(s))
-    return shards
+from ..data_parallel.training import sampler_shards
+from .style import rank_color
 
 
 def draw_sampler(n: int, world_size: int, drop_last: bool = False):
     """Which data set index goes to which rank. Hatched: a padding repeat; crossed out: dropped."""
-    shards = sampler_shards(n, world_size, drop_last)
+    shards = sampler_shards(n, world_size, drop_last=drop_last)
     fig, ax = plt.subplots(figsize=(max(6, 0.42 * n), 0.45 * world_size + 1.2))
     seen: set[int] = set()
     for rank, shard in enumerate(shards):

@@ -1,4 +1,4 @@
-"""Run a function on N ranks from a notebook cell: ``run(fn, world_size, *args)``.
+"""The notebook's side of the launcher: ``run(fn, world_size, *args)`` runs a function on N ranks.
 
 ``run`` starts ``world_size`` fresh processes; in each one the default process group is initialised
 (Gloo on CPU, NCCL when every rank has a GPU of its own), ``fn(rank, world_size, *args)`` is called,
@@ -43,26 +43,36 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from . import hardware
-from .errors import (PEER_GONE, LaunchError, RankDiedError, RankError, RunTimeoutError,  # noqa: F401
-                     remote_traceback)
+from .. import hardware
+from . import worker
+from .errors import PEER_GONE, RankDiedError, RankError, RunTimeoutError, remote_traceback
 
 DEFAULT_TIMEOUT = 120.0
 HOST = "127.0.0.1"
+# What a fresh rank process executes: the caller's sys.path first (so it finds what the notebook finds),
+# then the worker module's entry point (course_lib/launch/worker.py).
 _BOOT = ("import sys\nsys.path[:0] = [p for p in SYS_PATH if p not in sys.path]\n"
-         "from course_lib._rank import main\nmain(SPEC, CONN, LIFELINE)\n")
+         f"from {worker.__name__} import main\nmain(SPEC, CONN, LIFELINE)\n")
 
 
 _fast_context = None
+RANK_PROCESS_PREFIX = "course_lib-rank"
 
 
 def _context():
-    """The multiprocessing context: a forkserver with torch preloaded where available, else spawn."""
+    """The multiprocessing context: a forkserver with torch preloaded where available, else spawn.
+
+    Process-wide, and why that is safe: Python keeps one forkserver per process, shared by every user of
+    the ``forkserver`` start method in this kernel. Asking it to preload torch only makes their processes
+    start faster too; if someone else started the server first, it runs as they started it and our runs
+    merely start more slowly.
+    """
     global _fast_context
     if _fast_context is None:
         if "forkserver" in mp.get_all_start_methods():
             _fast_context = mp.get_context("forkserver")
-            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle"])
+            # torch._dynamo too: DDP, FSDP and DTensor import it on first use, which costs seconds per rank
+            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle"])
         else:
             _fast_context = mp.get_context("spawn")
     return _fast_context
@@ -73,17 +83,22 @@ _start_lock = threading.Lock()
 
 @contextmanager
 def _without_main_module():
-    """Start processes without re-running the caller's script in them.
+    """Start our rank processes without re-running the caller's script in them.
 
     multiprocessing normally re-imports ``__main__`` in every child (hence the ``if __name__ ==
     "__main__"`` rule); ``fn`` travels by value here, so the ranks need nothing from the script.
+    multiprocessing has no option for this, so its ``get_preparation_data`` is replaced while our
+    processes start. Narrowed to be safe: the replacement is installed under a lock, only for the
+    duration of ``start()``, and it changes only processes named ``course_lib-rank*``; any process
+    another thread starts meanwhile gets multiprocessing's own preparation data.
     """
     original = mp_spawn.get_preparation_data
 
     def preparation_data(name):
         data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
+        if name.startswith(RANK_PROCESS_PREFIX):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
         return data
 
     with _start_lock:
@@ -171,7 +186,8 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
             life_r, life_w = ctx.Pipe(duplex=False)
             child_globals = {"SYS_PATH": list(sys.path), "SPEC": cloudpickle.dumps(spec),
                              "CONN": result_w, "LIFELINE": life_r}
-            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"rank{rank}", daemon=True)
+            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"{RANK_PROCESS_PREFIX}{rank}",
+                               daemon=True)
             with _without_main_module():
                 proc.start()
             result_w.close()

@@ -2,8 +2,8 @@
 
 ``sbatch`` returns at once with a job id; the job runs later, on the cluster's nodes, and writes its output
 to a file. :func:`run_job` submits, waits, prints the job's output and raises
-:class:`~course_lib.commands.CommandError` unless the job ``COMPLETED`` — so a crashed job fails the cell, as
-``course_lib.commands.torchrun`` does for torchrun. :func:`submit` and :func:`wait` run several jobs at once.
+:class:`~course_lib.launch.commands.CommandError` unless the job ``COMPLETED`` — so a crashed job fails the cell, as
+``course_lib.launch.commands.torchrun`` does. :func:`submit` and :func:`wait` run several jobs at once.
 Jobs are followed with ``scontrol show job``, which needs no accounting database (``sacct`` does).
 
 No SLURM at hand? ``tests/slurm/local-cluster.sh`` starts a real one on this machine (Debian/Ubuntu, root):

@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .data import WithExtras, make_dataset, make_mlp
-from .dataparallel import MiniDDP, average_gradients
+from ..data import make_dataset
+from ..models import WithExtras, make_mlp
+from .mini_ddp import MiniDDP, average_gradients
 
 STRATEGIES = ("none", "by_hand", "mini_ddp", "torch_ddp")
 
@@ -39,7 +40,7 @@ class TrainConfig:
     drop_last: bool = False
     seed: int = 0
 
-    def with_(self, **changes) -> "TrainConfig":
+    def with_(self, **changes) -> TrainConfig:
         return replace(self, **changes)
 
 
@@ -58,7 +59,8 @@ def _optimizer(params, cfg: TrainConfig):
     return opt, sched
 
 
-def _wrap(model, cfg: TrainConfig):
+def wrap(model, cfg: TrainConfig):
+    """``model`` wrapped for ``cfg.strategy``: MiniDDP, torch DDP, or itself (``none``, ``by_hand``)."""
     if cfg.strategy == "mini_ddp":
         return MiniDDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
     if cfg.strategy == "torch_ddp":
@@ -76,7 +78,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)
-    wrapped = _wrap(model, cfg)
+    wrapped = wrap(model, cfg)
     opt, sched = _optimizer(wrapped.parameters(), cfg)
     losses = []
     for epoch in range(cfg.epochs):
@@ -97,14 +99,22 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 
+def sampler_shards(n: int, world_size: int, shuffle: bool = False, epoch: int = 0, seed: int = 0,
+                   drop_last: bool = False) -> list[list[int]]:
+    """The indices each rank's ``DistributedSampler`` yields in ``epoch`` (the real sampler, not a copy)."""
+    shards = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                     drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
 def global_batches(cfg: TrainConfig, world_size: int, epoch: int) -> list[torch.Tensor]:
     """The indices of each step's global batch: rank 0's batch, then rank 1's, ... (as the ranks see them)."""
-    per_rank = []
-    for rank in range(world_size):
-        sampler = DistributedSampler(range(cfg.n), num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=cfg.seed, drop_last=cfg.drop_last)
-        sampler.set_epoch(epoch)
-        per_rank.append(torch.tensor(list(sampler)).split(cfg.batch_size))
+    per_rank = [torch.tensor(shard).split(cfg.batch_size)
+                for shard in sampler_shards(cfg.n, world_size, True, epoch, cfg.seed, cfg.drop_last)]
     return [torch.cat([batches[t] for batches in per_rank]) for t in range(len(per_rank[0]))]
 
 

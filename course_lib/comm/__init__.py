@@ -1,0 +1,7 @@
+"""Communication between ranks: what each collective means, all-reduce written by hand, and its cost.
+
+* :mod:`.collectives`: every collective's meaning in plain Python, and the real ``torch.distributed`` call
+  on each rank (notebook 01).
+* :mod:`.allreduce`: naive, ring and recursive-doubling all-reduce from point-to-point messages (notebook 02).
+* :mod:`.costmodel`: algorithm and bus bandwidth, the α-β model fitted to measurements (notebook 02).
+"""

@@ -1,0 +1,20 @@
+"""Presentation: the pictures, the interactive explorers and the source listings the notebooks show.
+
+* :mod:`.collectives`: what ranks hold before and after a collective; the ring's steps; all-reduce sweeps.
+* :mod:`.training`: how a sampler shards the data, bucket timelines, loss curves (data parallelism).
+* :mod:`.pipeline`: Gantt charts of pipeline schedules, simulated or measured.
+* :mod:`.widgets`: explorers (ipywidgets) wired to tested pure functions; each keeps ``.state``.
+* :mod:`.source`: :func:`show_source`, the real code of what a notebook runs.
+* :mod:`.style`: one colour per rank.
+
+``from course_lib import viz`` gives every drawing function and ``show_source``.
+"""
+from .collectives import collective_texts, draw_barrier, draw_collective, draw_ring_state, owner, plot_all_reduce_sweep
+from .pipeline import draw_pipeline
+from .source import show_source
+from .style import rank_color
+from .training import draw_bucket_timeline, draw_epoch_orders, draw_sampler, plot_losses
+
+__all__ = ["draw_collective", "collective_texts", "draw_barrier", "draw_ring_state", "plot_all_reduce_sweep",
+           "owner", "draw_pipeline", "draw_sampler", "draw_epoch_orders", "draw_bucket_timeline", "plot_losses",
+           "show_source", "rank_color"]
