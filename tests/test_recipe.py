@@ -97,7 +97,7 @@ def test_torchrun_helpers_ask_for_a_fresh_store_per_restart():
     fresh = json_lines(torchrun("course_lib.recipes.whoami", nproc_per_node=1, module=True, echo=False).output)[0]
     shared = json_lines(torchrun("course_lib.recipes.whoami", nproc_per_node=1, module=True, echo=False,
                                  env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}).output)[0]
-    assert fresh["agent_store"] == "False" and shared["agent_store"] == "True"
+    assert fresh["TORCHELASTIC_USE_AGENT_STORE"] == "False" and shared["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 def test_no_launcher_fails_at_once_with_the_command_to_use():
