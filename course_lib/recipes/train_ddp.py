@@ -70,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     count, real = _positive(int), _positive(float)
     p.add_argument("--epochs", type=count, default=4)
     p.add_argument("--batch-size", type=count, default=32, help="per rank")
-    p.add_argument("--lr", type=real, default=0.05)
+    p.add_argument("--lr", type=real, default=0.05,
+                   help="for one process with --batch-size; multiplied by the number of ranks (the linear scaling "
+                        "rule: the global batch is that many times larger)")
     p.add_argument("--samples", type=count, default=2000)
     p.add_argument("--hidden", type=count, default=128)
     p.add_argument("--depth", type=count, default=3)
@@ -196,7 +198,8 @@ class Trainer:
         dataset = make_dataset(args.samples, seed=args.seed)
         model = make_mlp(hidden=args.hidden, depth=args.depth, seed=args.seed).to(ctx.device)
         self.model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.lr = args.lr * ctx.world_size               # the global batch is world_size x --batch-size
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
         self.sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
                                  pin_memory=ctx.device.type == "cuda")
@@ -224,6 +227,8 @@ class Trainer:
                 raise KeyError(", ".join(map(repr, missing)))
             self.model.module.load_state_dict(snap["model"])
             self.optimizer.load_state_dict(snap["optimizer"])
+            for group in self.optimizer.param_groups:      # this job's world size sets the rate, not the snapshot's
+                group["lr"] = self.lr
             self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
         except Exception as e:                             # not ours, damaged, or another model's shape
             raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
@@ -248,13 +253,15 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> float:
         from tqdm import tqdm
         self.sampler.set_epoch(epoch)                      # a new shuffle each epoch, the same on all ranks
-        totals = torch.zeros(2, device=self.ctx.device)
+        loss_sum, samples = torch.zeros((), device=self.ctx.device), 0
         bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=self.ctx.rank != 0 or not sys.stderr.isatty())
         for step, (x, y) in enumerate(bar):
             self._maybe_crash(epoch, step)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             loss = train_step(self.model, self.optimizer, x, y, self.amp)
-            totals += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.ctx.device)])
+            loss_sum += loss.detach() * len(y)             # stays on the device: no copy, no sync per step
+            samples += len(y)
+        totals = torch.stack([loss_sum, torch.tensor(float(samples), device=self.ctx.device)])
         dist.all_reduce(totals)                            # the mean loss over ALL ranks' samples
         return (totals[0] / totals[1]).item()
 
@@ -277,7 +284,8 @@ class Trainer:
             checkpoint.save_atomic(state, self.args.out)
         elapsed = time.perf_counter() - start
         return {"event": "done", "world_size": self.ctx.world_size, "backend": self.ctx.backend,
-                "device": self.ctx.device.type, "bf16": self.amp, "epochs": self.epochs_run, "losses": self.losses,
+                "device": self.ctx.device.type, "bf16": self.amp, "lr": self.lr, "epochs": self.epochs_run,
+                "losses": self.losses,
                 "samples_per_s": samples / elapsed if elapsed > 0 else None,
                 "cpus": hardware.cpu_count(),                  # the cores it may use: what SLURM bound it to
                 "weights": fingerprint(state)}
