@@ -57,7 +57,7 @@ NOTEBOOKS: list[Notebook] = [
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
     Notebook("08_sharded_data_parallel.ipynb", "Sharded data parallelism: ZeRO and FSDP2",
              "ZeRO-1/2/3 from scratch; bytes held and sent per rank; FSDP2, DTensor; sharded checkpoints (DCP)", 0,
-             "full", 80),
+             "full", 60),
 ]
 
 
