@@ -14,6 +14,8 @@ The layers, each using only those above it:
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
 ``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
 ``memory/``               the bytes training needs, predicted and measured
+``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
+                          blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``faults``                things broken on purpose, each ending as a clear error
 ``viz/``                  pictures, explorers (widgets) and source listings
 ``exercises/``            the checks of the notebooks' exercises
@@ -36,5 +38,8 @@ Notebook → the modules it shows and uses:
 * 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
   ``fsdp2``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),
   ``exercises.ex08``
+* 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
+  ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
+  ``viz.tensor_parallel``, ``exercises.ex09``
 """
 __version__ = "0.2.0"

@@ -97,3 +97,6 @@ def test_every_notebook_opens_with_its_frame_and_ends_with_summary_and_exercises
         last = nb.cells[-1].source
         assert "## Summary" in last and "## Exercises" in last, f"{nb_info.file}: end with a summary and exercises"
         assert "hardware.summary()" in "".join(c.source for c in nb.cells[:3]), f"{nb_info.file}: say what it ran on"
+        # one place for the runtime: the course map; the header repeats its figure
+        assert f"**Runtime:** about {nb_info.runtime_s} s on a 2-core CPU machine" in first, \
+            f"{nb_info.file}: the header's runtime must be the course map's ({nb_info.runtime_s} s)"

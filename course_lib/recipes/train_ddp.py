@@ -5,7 +5,8 @@
 What it does that the seed program did not:
 * the device comes from ``LOCAL_RANK`` (the rank on this node), not the global rank, and ``set_device``
   is called before ``init_process_group``;
-* it checks its launch (a launcher's environment, NCCL only with a GPU per rank) and says what to do;
+* it checks its launch (a launcher's environment, NCCL only with a GPU per rank, restarts that can work: see
+  ``check_restarts``) and says what to do;
 * the loss it logs is the mean over all ranks; a progress bar shows on rank 0 only;
 * bf16 autocast on GPUs; a checkpoint (model, optimizer, epochs run) written atomically by rank 0
   every ``--save-every`` epochs, and resumed from automatically when the job is restarted;
@@ -113,32 +114,40 @@ def choose_backend(requested: str | None, local_world_size: int) -> str:
         raise SystemExit(f"error: {e}") from None
 
 
-def _store_for_this_attempt(env: dict, timeout: timedelta):
-    """Under torchrun the agent hosts the rendezvous store, and it outlives a failed attempt. Restarted
-    workers have been seen reading the dead workers' addresses from it ("Connection refused" at
-    init, pytorch issue 167288): give every attempt its own key space. ``None`` outside torchrun."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
-        return None                                        # a first attempt: plain env:// is right
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["WORLD_SIZE"],
-                         is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"course/attempt_{attempt}", base)
+def check_restarts(environ=os.environ) -> None:
+    """Refuse, at once, a launch whose restarts cannot work.
+
+    With a rendezvous (``--standalone``, or ``--rdzv-backend=c10d`` across nodes) the workers' ``env://`` store
+    lives in torchrun's agent on node 0, and by default (since torch 2.5; checked in 2.11 and 2.13) that agent
+    keeps **one** store for every restart round. Restarted workers then find the dead round's keys in it: the dead
+    workers' addresses ("Connection refused"), or arrival counts that never add up (a wait until the timeout);
+    on one node, 2 of 3 restarted jobs hung that way. Keys made per attempt from ``TORCHELASTIC_RESTART_COUNT``
+    fix one node only: each node's agent counts its own restarts (the node whose worker died counts one; the
+    others see a membership change, which does not count), so across nodes the ranks look for each other under
+    different keys. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment makes every round start a
+    fresh store, hosted by that round's rank 0; ``course_lib.launch.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
+    """
+    shared = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        example = LAUNCH_HINT.replace("--standalone", "--standalone --max-restarts=3")
+        raise SystemExit(
+            "error: torchrun --max-restarts needs a fresh rendezvous store for each restart, but this torchrun keeps "
+            "one for the whole job: restarted workers would read the dead workers' addresses from it. Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, with a c10d rendezvous (--standalone, "
+            f"or --rdzv-backend=c10d across nodes), e.g.\n  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {example}")
 
 
 def setup(args) -> Context:
     env = launch_env()
+    check_restarts()
     backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"])
     if backend == "nccl":
         device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
         torch.cuda.set_device(device)                      # before init_process_group
     else:
         device = torch.device("cpu")
-    timeout = timedelta(seconds=args.timeout)
-    store = _store_for_this_attempt(env, timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-    else:
-        dist.init_process_group(backend, store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"], timeout=timeout)
+    # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     return Context(env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], backend, device)
 
 
@@ -269,7 +278,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return {"event": "done", "world_size": self.ctx.world_size, "backend": self.ctx.backend,
                 "device": self.ctx.device.type, "bf16": self.amp, "epochs": self.epochs_run, "losses": self.losses,
-                "samples_per_s": samples / elapsed if elapsed > 0 else None, "weights": fingerprint(state)}
+                "samples_per_s": samples / elapsed if elapsed > 0 else None,
+                "cpus": hardware.cpu_count(),                  # the cores it may use: what SLURM bound it to
+                "weights": fingerprint(state)}
 
 
 def main(argv=None) -> dict:
