@@ -125,8 +125,11 @@ class MemoryCalculator(Explorer):
         self.state = {"breakdown": parts, "fits": ok}
         rows = "".join(f"<tr><td>{k}</td><td>{m.human(v)}</td></tr>" for k, v in parts.items() if v)
         verdict = "fits" if ok else "does NOT fit"
-        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}:<table>{rows}</table><b>{verdict}</b> "
-                          f"in {self.device_gib.value:g} GiB per GPU (90% usable; activations not included)")
+        stage, gpus = self.zero_stage.value, self.world_size.value
+        sharding = f"ZeRO-{stage}" if stage else "not sharded"
+        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}; {sharding}, {gpus} GPU{'s' * (gpus != 1)}:"
+                          f"<table>{rows}</table><b>{verdict}</b> in {self.device_gib.value:g} GiB per GPU "
+                          "(90% usable; activations not included)")
 
 
 class ScheduleExplorer(Explorer):
