@@ -12,6 +12,7 @@ The layers, each using only those above it:
 ``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
 ``model_parallel/``       layers split across devices in one process
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
+``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
 ``memory/``               the bytes training needs, predicted and measured
 ``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
                           blocks, sequence parallelism, DTensor plans, the 2-D mesh
@@ -34,6 +35,9 @@ Notebook → the modules it shows and uses:
 * 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``)
 * 06 pipeline schedules: ``pipeline_parallel``, ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``)
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
+* 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
+  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),
+  ``exercises.ex08``
 * 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
   ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
   ``viz.tensor_parallel``, ``exercises.ex09``

@@ -55,6 +55,9 @@ NOTEBOOKS: list[Notebook] = [
              "stages as processes; GPipe and 1F1B; the bubble, measured; activation memory", 0, "full", 25),
     Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
+    Notebook("08_sharded_data_parallel.ipynb", "Sharded data parallelism: ZeRO and FSDP2",
+             "ZeRO-1/2/3 from scratch; bytes held and sent per rank; FSDP2, DTensor; sharded checkpoints (DCP)", 0,
+             "full", 60),
     Notebook("09_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers, attention split by heads; sequence parallelism; dropout under TP; "
              "DTensor, DeviceMesh, parallelize_module; a 2×2 mesh with FSDP2", 0, "full", 50),

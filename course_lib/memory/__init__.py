@@ -7,6 +7,7 @@
 from .arithmetic import (
                          DTYPE_BYTES,
                          OPTIMIZER_STATES,
+                         ZERO_STAGES,
                          fits,
                          human,
                          measured_state_bytes,
@@ -15,5 +16,5 @@ from .arithmetic import (
 )
 from .saved import Saved, saved_bytes, saved_tensors
 
-__all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "training_memory", "fits", "mlp_activation_bytes",
+__all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "ZERO_STAGES", "training_memory", "fits", "mlp_activation_bytes",
            "measured_state_bytes", "human", "Saved", "saved_tensors", "saved_bytes"]

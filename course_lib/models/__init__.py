@@ -5,8 +5,10 @@
 * :mod:`.transformer`: a small GPT-style transformer (:func:`transformer`, :class:`TransformerConfig`), its
   blocks usable alone (:class:`MLP`, :class:`CausalSelfAttention`), and its one-process training
   (:func:`train_reference`), the result every parallel layout must reproduce.
+* :mod:`.tiny_lm`: :class:`TinyLM`, tied weights, a frozen parameter and a buffer (notebook 08).
 """
 from .mlp import WithExtras, make_mlp, mlp
+from .tiny_lm import TinyLM
 from .transformer import (
     MLP,
     Block,
@@ -21,5 +23,5 @@ from .transformer import (
     transformer,
 )
 
-__all__ = ["mlp", "make_mlp", "WithExtras", "transformer", "Transformer", "TransformerConfig", "Block", "MLP",
+__all__ = ["mlp", "make_mlp", "WithExtras", "TinyLM", "transformer", "Transformer", "TransformerConfig", "Block", "MLP",
            "CausalSelfAttention", "lm_loss", "LMTrainConfig", "batch_indices", "make_optimizer", "train_reference"]

@@ -4,6 +4,7 @@
 * :mod:`.training`: how a sampler shards the data, bucket timelines, loss curves (data parallelism).
 * :mod:`.pipeline`: Gantt charts of pipeline schedules, simulated or measured.
 * :mod:`.tensor_parallel`: matrices split by columns and rows, DTensor placements, who holds what on a mesh.
+* :mod:`.sharding`: ZeRO's stages: which rank holds which shard, before and after each collective.
 * :mod:`.widgets`: explorers (ipywidgets) wired to tested pure functions; each keeps ``.state``.
 * :mod:`.source`: :func:`show_source`, the real code of what a notebook runs.
 * :mod:`.style`: one colour per rank.
@@ -12,6 +13,7 @@
 """
 from .collectives import collective_texts, draw_barrier, draw_collective, draw_ring_state, owner, plot_all_reduce_sweep
 from .pipeline import draw_pipeline
+from .sharding import draw_zero_step, zero_step_states
 from .source import show_source
 from .style import rank_color
 from .tensor_parallel import draw_holdings, draw_local_parts, draw_matmul_split, holders
@@ -19,4 +21,5 @@ from .training import draw_bucket_timeline, draw_epoch_orders, draw_sampler, plo
 
 __all__ = ["draw_collective", "collective_texts", "draw_barrier", "draw_ring_state", "plot_all_reduce_sweep",
            "owner", "draw_pipeline", "draw_sampler", "draw_epoch_orders", "draw_bucket_timeline", "plot_losses",
-           "show_source", "rank_color", "draw_matmul_split", "draw_local_parts", "draw_holdings", "holders"]
+           "show_source", "rank_color", "draw_matmul_split", "draw_local_parts", "draw_holdings", "holders",
+           "draw_zero_step", "zero_step_states"]

@@ -90,9 +90,11 @@ class RingStepper(Explorer):
 
 
 class MemoryCalculator(Explorer):
-    """Model size, precision, optimizer and device memory in; does it fit, and what takes the space, out."""
+    """Model size, precision, optimizer, device memory, ZeRO stage and number of GPUs in; does it fit on
+    each GPU, and what takes the space, out."""
 
-    def __init__(self, billions: float = 7.0, dtype: str = "bf16", optimizer: str = "adam", device_gib: float = 80.0):
+    def __init__(self, billions: float = 7.0, dtype: str = "bf16", optimizer: str = "adam", device_gib: float = 80.0,
+                 zero_stage: int = 0, world_size: int = 1):
         from .. import memory
         self._memory = memory
         # A text box, not a slider: a slider shows and sends back only the values on its steps (a log slider with
@@ -102,10 +104,15 @@ class MemoryCalculator(Explorer):
         self.dtype = W.Dropdown(options=list(memory.DTYPE_BYTES), value=dtype, description="precision")
         self.optimizer = W.Dropdown(options=list(memory.OPTIMIZER_STATES), value=optimizer, description="optimizer")
         self.device_gib = W.BoundedFloatText(value=device_gib, min=0, max=100_000, step=8, description="device GiB")
+        self.zero_stage = W.Dropdown(options=[("none", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
+                                     value=zero_stage, description="sharding")
+        counts = sorted({2**k for k in range(13)} | {world_size})          # 1, 2, 4, ... 4096 GPUs
+        self.world_size = W.Dropdown(options=counts, value=world_size, description="GPUs")
         self.out = W.HTML()
         self.state: dict = {}
-        controls = (self.billions, self.dtype, self.optimizer, self.device_gib)
-        self.widget = W.VBox([W.HBox(list(controls[:2])), W.HBox(list(controls[2:])), self.out])
+        controls = (self.billions, self.dtype, self.optimizer, self.device_gib, self.zero_stage, self.world_size)
+        self.widget = W.VBox([W.HBox(list(controls[:2])), W.HBox(list(controls[2:4])), W.HBox(list(controls[4:])),
+                              self.out])
         for c in controls:
             c.observe(self._update, names="value")
         self._update()
@@ -113,13 +120,17 @@ class MemoryCalculator(Explorer):
     def _update(self, *_):
         m = self._memory
         billions, dtype, optimizer = self.billions.value, self.dtype.value, self.optimizer.value
-        parts = m.training_memory(round(billions * 1e9), dtype, optimizer)
+        parts = m.training_memory(round(billions * 1e9), dtype, optimizer,
+                                  zero_stage=self.zero_stage.value, world_size=self.world_size.value)
         ok = m.fits(parts, self.device_gib.value)
         self.state = {"breakdown": parts, "fits": ok}
         rows = "".join(f"<tr><td>{k}</td><td>{m.human(v)}</td></tr>" for k, v in parts.items() if v)
         verdict = "fits" if ok else "does NOT fit"
-        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}:<table>{rows}</table><b>{verdict}</b> "
-                          f"in {self.device_gib.value:g} GiB (90% usable; activations not included)")
+        stage, gpus = self.zero_stage.value, self.world_size.value
+        sharding = f"ZeRO-{stage}" if stage else "not sharded"
+        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}; {sharding}, {gpus} GPU{'s' * (gpus != 1)}:"
+                          f"<table>{rows}</table><b>{verdict}</b> in {self.device_gib.value:g} GiB per GPU "
+                          "(90% usable; activations not included)")
 
 
 class ScheduleExplorer(Explorer):

@@ -1,0 +1,62 @@
+"""Notebook 08's exercise check: passes the reference, 'not attempted yet' for the stub, names known wrong answers."""
+import torch
+import torch.distributed as dist
+
+from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex08
+
+
+def stub(flat_param, make_optimizer):
+    raise NotImplementedError
+
+
+def variant(divide=True, gather=True, whole=False, optimizer_per_step=False):
+    """ZeRO-1 with one known mistake switched on."""
+    def zero1(flat_param, make_optimizer):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        shard = flat_param.chunk(n)[rank].clone()
+        optimizer = make_optimizer([flat_param if whole else shard])
+
+        def step(flat_grad):
+            nonlocal optimizer
+            if whole:                                    # every rank steps every parameter
+                dist.all_reduce(flat_grad)
+                flat_param.grad = flat_grad / n
+                optimizer.step()
+                return
+            if optimizer_per_step:
+                optimizer = make_optimizer([shard])
+            grad = torch.empty_like(shard)
+            ex08.reduce_scatter_single(grad, flat_grad)
+            shard.grad = grad / n if divide else grad
+            optimizer.step()
+            if gather:
+                ex08.all_gather_single(flat_param, shard)
+        return step
+    return zero1
+
+
+def test_the_reference_passes_and_the_stub_is_not_attempted(no_leftovers):
+    assert ex08.check_zero1(ex08.zero1).status == PASSED
+    fb = ex08.check_zero1(stub)
+    assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)
+
+
+def test_known_wrong_answers_are_named(no_leftovers):
+    cases = {variant(divide=False): "times too large",
+             variant(gather=False): "all-gather is missing",
+             variant(whole=True): "every rank steps every parameter",
+             variant(optimizer_per_step=True): "build the optimizer once"}
+    for fn, phrase in cases.items():
+        fb = ex08.check_zero1(fn)
+        assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def test_a_step_that_is_not_returned_is_explained():
+    fb = ex08.check_zero1(lambda flat_param, make_optimizer: None)
+    assert fb.status == WRONG and "must return the function step" in fb.message
+
+
+def test_the_reference_without_division_really_differs():
+    """The check can only name a missing division if SGD makes it visible (Adam would not)."""
+    right, too_big = ex08.reference(2), ex08.reference(2, gradient_scale=2)
+    assert (right - too_big).abs().max() > 1e-3

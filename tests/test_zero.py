@@ -1,0 +1,291 @@
+"""ZeRO from scratch (course_lib.zero): every stage equals one process on the global batch, on real Gloo ranks.
+
+Also: FSDP2 equals the from-scratch ZeRO-3; DCP saved on 4 ranks loads on 2; the bytes each rank holds match
+the arithmetic; ZeRO-3 holds one layer's whole parameters at a time; the traffic of a step; bad input.
+"""
+import functools
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course_lib import memory
+from course_lib.launch import RankError, run
+from course_lib.viz import sharding
+from course_lib.zero import ShardedOptimizer, finish_gradient_synchronization, flat, fsdp2, fully_shard, measure, shard
+from course_lib.zero import training as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# every model with both optimizers and every strategy; torch DDP and FSDP2 on the MLP (FSDP2 wants a tied
+# weight in one unit with both its users, which a unit per layer is not)
+MATRIX = [(m, o, s) for m in ("mlp", "tiny_lm", "twice") for o in ("adamw", "sgd")
+          for s in [1, 2, 3, "sharded_optimizer"] + (["ddp", "fsdp2"] if m == "mlp" else [])]
+
+
+def matrix_worker(rank, world_size):
+    return [T.train_worker(rank, world_size, s, m, o) for m, o, s in MATRIX]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_stage_equals_one_process_on_the_global_batch(world_size, no_leftovers):
+    """AdamW with weight decay and SGD with momentum; sizes no world size divides; tied weights, a frozen
+    parameter and a buffer (tiny_lm); a layer used twice (twice); ShardedOptimizer with DDP; FSDP2."""
+    results = run(matrix_worker, world_size, backend="gloo", show_output=False, timeout=300)
+    for k, (model, optimizer, strategy) in enumerate(MATRIX):
+        reference = T.train_reference(world_size, model, optimizer)
+        for rank, states in enumerate(results):
+            gap = T.max_difference(states[k], reference)
+            assert gap < 1e-5, (model, optimizer, strategy, rank, gap)
+    tiny = results[0][MATRIX.index(("tiny_lm", "adamw", 3))]
+    assert tiny["head.weight"] is tiny["embed.weight"]                    # still tied in the full state dict
+    assert torch.equal(tiny["scale"], T.build("tiny_lm").scale)           # frozen: never moved
+
+
+def test_the_baseline_really_trains_and_the_strategies_differ_from_no_averaging():
+    """The equalities above mean something: three steps move the weights, and a wrong gradient scale shows."""
+    start = T.build("mlp").state_dict()
+    trained = T.train_reference(2, "mlp", "sgd")
+    assert T.max_difference(start, trained) > 1e-2
+
+
+def test_gradient_accumulation_over_two_backward_passes(no_leftovers):
+    def worker(rank, world_size):
+        return [T.train_worker(rank, world_size, s, "tiny_lm", "sgd", micro_batches=2) for s in (1, 2, 3)]
+    reference = T.train_reference(2, "tiny_lm", "sgd")
+    for states in run(worker, 2, backend="gloo", show_output=False):
+        assert all(T.max_difference(s, reference) < 1e-5 for s in states)
+
+
+def test_fully_shard_in_fp16_casts_like_one_process_that_casts_the_same_way(no_leftovers):
+    """One rank: bit for bit equal to the one-process fp16 reference. More ranks: each rank rounds the gradient
+    of its own batch to fp16 where one process rounds one gradient of the whole batch, so they agree to fp16's
+    precision (measured: up to 1.3e-4 after three steps), not to fp32's."""
+    for model in ("mlp", "tiny_lm"):
+        reference = T.train_reference(1, model, "adamw", compute_dtype=torch.float16)
+        one = run(T.train_worker, 1, "fully_shard", model, "adamw", 3, 4, torch.float16, backend="gloo",
+                  show_output=False)[0]
+        assert T.max_difference(one, reference) == 0.0
+        assert T.max_difference(reference, T.train_reference(1, model, "adamw")) > 1e-5   # fp16 really differs
+        reference = T.train_reference(2, model, "adamw", compute_dtype=torch.float16)
+        for state in run(T.train_worker, 2, "fully_shard", model, "adamw", 3, 4, torch.float16, backend="gloo",
+                         show_output=False):
+            assert T.max_difference(state, reference) < 5e-4
+
+
+def test_fp16_layers_compute_in_fp16_while_shards_grads_and_states_stay_fp32(no_leftovers):
+    def worker(rank, world_size):
+        model = fully_shard(T.build("tiny_lm"), compute_dtype=torch.float16)
+        seen = set()
+        model.block[0].register_forward_pre_hook(lambda m, args: seen.add((m.weight.dtype, args[0].dtype)))
+        opt = torch.optim.AdamW(model.parameters())
+        x, y = T.batches("tiny_lm", 4, 1)[0]
+        T.loss_fn("tiny_lm", model(x), y).backward()
+        opt.step()
+        tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+        tensors += [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+        return seen, {t.dtype for t in tensors}
+    for seen, dtypes in run(worker, 2, backend="gloo", show_output=False):
+        assert seen == {(torch.float16, torch.float16)} and dtypes == {torch.float32}
+
+
+def test_bytes_held_match_the_arithmetic_and_zero3_holds_one_layer_at_a_time(no_leftovers):
+    for n in (2, 4):
+        width, depth = 64, 4
+        params = depth * (width * width + width)
+        for rank_result in run(measure.memory_worker, n, measure.STRATEGIES, width, depth, backend="gloo",
+                               show_output=False):
+            for stage in measure.STRATEGIES:
+                expected = memory.training_memory(params, "fp32", "adam", zero_stage=0 if stage == "ddp" else stage,
+                                                  world_size=n)
+                got = rank_result[stage]
+                assert got == {"parameters": expected["weights"], "gradients": expected["gradients"],
+                               "optimizer states": expected["optimizer states"]}, (n, stage, got)
+            peak = rank_result["stage 3 peak"]
+            assert peak["peak gathered"] == peak["largest layer"] == (width * width + width) * 4
+            assert peak["gathered after the step"] == 0
+            if n == 4:
+                ddp = rank_result["ddp"]["optimizer states"]
+                assert all(rank_result[stage]["optimizer states"] <= 0.26 * ddp for stage in (1, 2, 3))
+
+
+def test_a_frozen_layer_in_the_middle_is_freed_after_its_backward(no_leftovers):
+    """Like LoRA's frozen base layers: no gradient of its own, yet still one layer gathered at a time."""
+    for held in run(measure.memory_worker, 2, (3,), 32, 4, (1, 2), backend="gloo", show_output=False):
+        peak = held["stage 3 peak"]
+        assert peak["peak gathered"] == peak["largest layer"] and peak["gathered after the step"] == 0
+        assert held[3]["gradients"] == 2 * (32 * 32 + 32) * 4 // 2          # two trainable layers, half each
+
+
+def test_no_grad_forward_gathers_and_frees_and_training_goes_on(no_leftovers):
+    def worker(rank, world_size):
+        model = fully_shard(T.build("mlp"))
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+        model.eval()
+        with torch.no_grad():
+            out = model(x)
+        left = model.zero3.gathered_bytes
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            finish_gradient_synchronization(model)          # a no-op after backward, and harmless
+            opt.step()
+        return out, left, model.zero3.gathered_bytes
+    expected = T.build("mlp")(torch.randn(3, 16, generator=torch.Generator().manual_seed(0)))
+    for out, left, after in run(worker, 2, backend="gloo", show_output=False):
+        assert left == after == 0 and torch.allclose(out, expected, atol=1e-6)
+
+
+def test_sharded_optimizer_with_groups_and_a_scheduler_equals_the_plain_optimizer(no_leftovers):
+    def worker(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        out = []
+        for sharded in (False, True):
+            model = T.build("mlp")
+            ddp = DDP(model)
+            decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+            rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
+            opt = (ShardedOptimizer(groups, torch.optim.AdamW, lr=0.01) if sharded
+                   else torch.optim.AdamW(groups, lr=0.01))
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            for x, y in T.batches("mlp", 4 * world_size, 3):
+                opt.zero_grad()
+                T.loss_fn("mlp", ddp(x[rank::world_size]), y[rank::world_size]).backward()
+                opt.step()
+                sched.step()
+            out.append({k: v.clone() for k, v in model.state_dict().items()})
+        return out
+    for plain, sharded in run(worker, 3, backend="gloo", show_output=False):
+        assert T.max_difference(plain, sharded) < 1e-6
+
+
+def test_dcp_saved_on_4_ranks_loads_on_2_with_the_same_weights(tmp_path, no_leftovers):
+    path = str(tmp_path / "checkpoint")
+    model_fn = functools.partial(measure.deep_mlp, 32, 2)
+    saved = run(fsdp2.dcp_save_worker, 4, path, model_fn, backend="gloo", show_output=False)
+    assert sorted(os.listdir(path)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert all(T.max_difference(s["weights"], saved[0]["weights"]) == 0 for s in saved)
+    loaded = run(fsdp2.dcp_load_worker, 2, path, model_fn, backend="gloo", show_output=False)
+    fresh = {k: v for k, v in model_fn(seed=123).state_dict().items()}
+    for result in loaded:
+        assert T.max_difference(result["weights"], saved[0]["weights"]) == 0.0
+        assert T.max_difference(result["weights"], fresh) > 1e-3            # it did load something
+        assert result["shapes"]["0.weight"] == ((32, 32), (16, 32))          # resharded: half of the rows each
+
+
+def test_traffic_of_a_step_counts_like_a_ring(no_leftovers):
+    n, width, depth = 4, 64, 4
+    logs = run(measure.traffic_worker, n, (1, 2, 3), width, depth, backend="gloo", show_output=False)[0]
+    params_bytes = depth * (width * width + width) * 4
+    ddp = flat.ring_bytes_sent("all-reduce", params_bytes, n)
+    for stage, log in logs.items():
+        assert {op for op, _ in log} <= {"all-gather", "all-reduce"}     # Gloo: reduce-scatter done as all-reduce
+        real = sum(flat.ring_bytes_sent("reduce-scatter" if op == "all-reduce" else op, b, n) for op, b in log)
+        assert real == pytest.approx(ddp * (1.5 if stage == 3 else 1.0)), stage
+        assert sum(op == "all-gather" for op, _ in log) == depth * (2 if stage == 3 else 1)
+
+
+def test_stage_must_be_1_2_or_3_and_a_process_group_is_needed():
+    for bad in (0, "3", 4, True, None):
+        with pytest.raises(ValueError, match=repr(bad).replace("'", ".")):
+            shard(nn.Linear(2, 2), bad, torch.optim.SGD, lr=0.1)
+    for call in (lambda: shard(nn.Linear(2, 2), 1, torch.optim.SGD, lr=0.1),
+                 lambda: fully_shard(nn.Linear(2, 2)),
+                 lambda: ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)):
+        with pytest.raises(RuntimeError, match="no(ne)? (process group )?is initialised"):
+            call()
+
+
+def test_bad_arguments_in_a_rank_are_clear_errors(no_leftovers):
+    def worker(rank, world_size, what):
+        model = T.build("mlp")
+        if what == "twice":
+            fully_shard(fully_shard(model))
+        elif what == "class":
+            ShardedOptimizer(model.parameters(), "adam")
+        elif what == "dtype":
+            fully_shard(model, compute_dtype=torch.int8)
+    for what, phrase in (("twice", "sharded already"), ("class", "optimizer class"), ("dtype", "floating-point")):
+        with pytest.raises(RankError, match=phrase):
+            run(worker, 2, what, backend="gloo", show_output=False)
+
+
+def test_shards_cover_every_element_once():
+    for numel in (0, 1, 3, 7, 10, 64, 65):
+        for n in (1, 2, 3, 4):
+            covered = [i for r in range(n) for i in range(*flat.shard_bounds(numel, r, n))]
+            assert covered == list(range(numel))
+
+
+def test_memory_arithmetic_with_zero_stages():
+    params = 7_000_000_000
+    ddp = memory.training_memory(params, "bf16", "adam")
+    assert memory.training_memory(params, "bf16", "adam", zero_stage=0, world_size=8) == ddp
+    z1 = memory.training_memory(params, "bf16", "adam", zero_stage=1, world_size=8)
+    z2 = memory.training_memory(params, "bf16", "adam", zero_stage=2, world_size=8)
+    z3 = memory.training_memory(params, "bf16", "adam", zero_stage=3, world_size=8)
+    assert z1["optimizer states"] == ddp["optimizer states"] / 8 and z1["gradients"] == ddp["gradients"]
+    assert z1["fp32 master weights"] == ddp["fp32 master weights"] / 8
+    assert z2["gradients"] == ddp["gradients"] / 8 and z2["weights"] == ddp["weights"]
+    assert z3["total"] == ddp["total"] / 8                  # 16 bytes per parameter / 8 = 2 bytes
+    assert not memory.fits(ddp, 80) and memory.fits(z1, 80)        # 7B with Adam: ZeRO-1 on 8 GPUs is enough
+    big = [memory.training_memory(30_000_000_000, "bf16", "adam", zero_stage=s, world_size=8) for s in range(4)]
+    assert [memory.fits(b, 80) for b in big] == [False, False, False, True]   # 30B: only ZeRO-3 fits
+    for bad in ({"zero_stage": 4}, {"zero_stage": "1"}, {"world_size": 0}, {"world_size": 2.5}):
+        with pytest.raises(ValueError):
+            memory.training_memory(params, **bad)
+
+
+def test_memory_calculator_has_a_zero_stage_and_a_world_size():
+    from course_lib.viz.widgets import MemoryCalculator
+    calc = MemoryCalculator(billions=7, dtype="bf16", optimizer="adam", device_gib=80)
+    assert not calc.state["fits"]
+    calc.world_size.value = 8
+    assert not calc.state["fits"]                        # 8 GPUs without sharding: each holds everything
+    calc.zero_stage.value = 3
+    assert calc.state["breakdown"]["total"] == 7e9 * 16 / 8 and calc.state["fits"]
+    calc.zero_stage.value = 1
+    assert calc.state["breakdown"]["optimizer states"] == 7e9 * 8 / 8 and calc.state["fits"]
+    assert "ZeRO-1, 8 GPUs" in calc.out.value           # every control changes what is shown
+    calc.world_size.value = 1
+    assert "not sharded" not in calc.out.value and "1 GPU:" in calc.out.value
+
+
+def test_pictures_follow_each_stage():
+    n = 4
+    for stage in (0, 1, 2, 3):
+        phases = sharding.zero_step_states(stage, n)
+        last = phases[-1][1]
+        for rank, held in enumerate(last):
+            owned = [i for i, s in enumerate(held["optimizer states"]) if s]
+            assert owned == (list(range(n)) if stage == 0 else [rank])
+            if stage < 3:
+                assert held["weights"] == ["w'"] * n                   # every rank ends with every weight
+            else:
+                assert [w for w in held["weights"] if w] == ["w'"]     # ZeRO-3: its own shard only
+        fig = sharding.draw_zero_step(stage, n)
+        drawn = sharding.drawn_labels(fig)
+        for (_, ranks), labels in zip(phases, drawn):
+            want = [x for r in ranks for kind in sharding.KINDS for x in r[kind] if x]
+            assert labels == want
+    with pytest.raises(ValueError):
+        sharding.zero_step_states(5, 4)
+
+
+def test_benchmark_worker_runs(no_leftovers):
+    spec = importlib.util.spec_from_file_location("zero_vs_fsdp", os.path.join(ROOT, "benchmarks", "zero_vs_fsdp.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = run(measure.step_time_worker, 2, (3, "fsdp2"), 32, 2, 8, 2, 1, backend="gloo", show_output=False)[0]
+    assert set(times) == {3, "fsdp2"} and all(t > 0 for t in times.values())
+    states = run(bench.state_bytes_worker, 4, 32, 2, backend="gloo", show_output=False)
+    assert all(s[3] == s["ddp"] / 4 for s in states)
+    report = bench.report({3: 1.2, "fsdp2": 1.0}, {"ddp": 100, 1: 25, 2: 25, 3: 25})
+    assert report.count("goal") == 2 and "NOT met" not in report
+    assert "NOT met" in bench.report({3: 2.0, "fsdp2": 1.0}, {"ddp": 100, 1: 25, 2: 25, 3: 25})
+    assert "NOT met" in bench.report({3: 1.0, "fsdp2": 1.0}, {"ddp": 100, 1: 30, 2: 25, 3: 25})
