@@ -12,8 +12,13 @@ Either way a stage waits at the start (for the first micro-batch to reach it) an
 last backward to come back): the **bubble**.  With equal work per stage, its share of the time is
 (p - 1) / (m + p - 1): more micro-batches, smaller bubble.
 
-:func:`schedule` and :func:`simulate` are plain Python (the pictures and the explorer use them);
-:mod:`.stages` runs a schedule for real, with activations and gradients sent between ranks.
+Interleaving (``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B``) gives each rank v stages,
+each v times shorter: the idle time becomes (p - 1) / (v m) of the compute time (:func:`bubble_overhead`).
+
+:func:`schedule`, :func:`simulate` and :func:`simulate_plan` (any plan, a learner's included: it says who
+waits for what when a plan deadlocks) are plain Python (the pictures, the explorer and the exercise's check
+use them); :mod:`.stages` runs a schedule for real, with activations and gradients sent between ranks, and
+:mod:`.torch_pipelining` runs PyTorch's own.
 """
 from __future__ import annotations
 
@@ -45,12 +50,32 @@ def schedule(kind: str, stages: int, micro_batches: int) -> list[list[tuple[str,
 
 
 def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
-    """Start and end time of every op, if each takes the given time and communication is free.
+    """Start and end time of every op of schedule ``kind``, if each takes the given time and communication is
+    free: :func:`simulate_plan` of :func:`schedule`."""
+    return simulate_plan(schedule(kind, stages, micro_batches), t_forward, t_backward)
+
+
+def _dependency(op: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
+    """The op that must finish before stage ``s`` can run ``op`` on micro-batch ``i``: ``(op, stage, i)``."""
+    if op == "F":
+        return ("F", s - 1, i) if s > 0 else None
+    return ("B", s + 1, i) if s < stages - 1 else ("F", s, i)
+
+
+def simulate_plan(plan: list[list[tuple[str, int]]], t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
+    """Run a schedule (``plan[s]``: stage s's ops in order, as :func:`schedule` returns) on an imaginary clock.
 
     F(s, i) waits for F(s-1, i); B(s, i) waits for B(s+1, i) (the last stage's B waits for its own F);
-    each stage runs its ops in schedule order.  Returns the ops' times, the makespan and the bubble.
+    each stage runs its ops in its plan's order. Returns the ops' times, the makespan and the bubble.
+    Raises ``RuntimeError`` naming what each stuck stage waits for when the plan deadlocks (no stage can
+    run its next op), and ``ValueError`` for an op that is not ``("F", i)`` or ``("B", i)``.
     """
-    plan = schedule(kind, stages, micro_batches)
+    stages = len(plan)
+    for s, ops in enumerate(plan):
+        bad = [op for op in ops if not (isinstance(op, tuple) and len(op) == 2 and op[0] in ("F", "B")
+                                        and isinstance(op[1], int))]
+        if bad:
+            raise ValueError(f"stage {s}: {bad[0]!r} is not an op: use ('F', i) or ('B', i)")
     done: dict[tuple[str, int, int], float] = {}
     times: list[list[tuple[str, int, float, float]]] = [[] for _ in range(stages)]
     cursor, clock = [0] * stages, [0.0] * stages
@@ -60,8 +85,7 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
             if cursor[s] == len(plan[s]):
                 continue
             op, i = plan[s][cursor[s]]
-            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < stages - 1 \
-                else ("F", s, i) if op == "B" else None
+            dep = _dependency(op, s, i, stages)
             if dep is not None and dep not in done:
                 continue
             start = max(clock[s], done.get(dep, 0.0))
@@ -71,14 +95,35 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
             cursor[s] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {kind} deadlocks")  # cannot happen for the schedules above
-    makespan = max(clock)
-    busy = micro_batches * (t_forward + t_backward)
-    return {"times": times, "makespan": makespan, "bubble": 1 - busy / makespan}
+            raise RuntimeError("the schedule deadlocks: " + "; ".join(_waits(plan, cursor)))
+    makespan = max(clock, default=0.0)
+    busy = sum(end - start for ops in times for _, _, start, end in ops)
+    return {"times": times, "makespan": makespan, "bubble": 1 - busy / (stages * makespan) if makespan else 0.0}
+
+
+def _waits(plan: list[list[tuple[str, int]]], cursor: list[int]) -> list[str]:
+    """What each stuck stage waits for, in words."""
+    out = []
+    for s, ops in enumerate(plan):
+        if cursor[s] == len(ops):
+            continue
+        op, i = ops[cursor[s]]
+        d_op, d_s, d_i = _dependency(op, s, i, len(plan))
+        source = "its own" if d_s == s else f"stage {d_s}'s"
+        never = "" if (d_op, d_i) in plan[d_s] else f" (which is not in stage {d_s}'s schedule)"
+        out.append(f"stage {s} waits for {source} {d_op}{d_i}{never} before its {op}{i}")
+    return out
 
 
 def bubble_formula(stages: int, micro_batches: int) -> float:
+    """The idle share of the time, (p - 1) / (m + p - 1), for GPipe and 1F1B with equal stages."""
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def bubble_overhead(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """Idle time over compute time, (p - 1) / (v m), with ``chunks`` = v stages per rank (interleaved 1F1B;
+    v = 1 for GPipe and 1F1B, where it is :func:`bubble_formula`'s b / (1 - b))."""
+    return (stages - 1) / (chunks * micro_batches)
 
 
 def peak_in_flight(kind: str, stages: int, micro_batches: int) -> list[int]:

@@ -95,12 +95,19 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     for s in sends:
         s.wait()
     total = time.perf_counter() - t0
-    start = torch.tensor([t0], dtype=torch.float64)
-    dist.all_reduce(start, op=dist.ReduceOp.MIN)          # the earliest rank's start: a common origin
-    shift = t0 - start.item()
+    shift = shift_to_common_origin(t0)
     timeline = [(op, i, a + shift, b + shift) for op, i, a, b in timeline]
     return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
             "timeline": timeline, "total": total}
+
+
+def shift_to_common_origin(t0: float) -> float:
+    """What to add to this rank's times (seconds since its own ``t0``) to count them from the earliest rank's
+    ``t0``: ``perf_counter`` is one clock for all the processes of a machine, so the timelines then line up.
+    A collective: every rank calls it."""
+    start = torch.tensor([t0], dtype=torch.float64)
+    dist.all_reduce(start, op=dist.ReduceOp.MIN)
+    return t0 - start.item()
 
 
 def measured_bubble(results: list[dict]) -> float:
