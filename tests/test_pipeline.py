@@ -62,3 +62,18 @@ def test_explorer_and_picture():
     assert ex.state["bubble"] == pytest.approx(3 / 5) and ex.state["peak_in_flight"] == [2, 2, 2, 1]
     fig = viz.draw_pipeline(P.simulate("gpipe", 2, 2)["times"], "t")
     assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(["F0", "F1", "B1", "B0"] * 2)
+
+
+def test_simulate_plan_runs_any_plan_and_names_who_waits_for_what():
+    assert P.simulate_plan(P.schedule("1f1b", 3, 5)) == P.simulate("1f1b", 3, 5)
+    with pytest.raises(RuntimeError, match=r"stage 0 waits for stage 1's B0 \(which is not in stage 1's schedule\)"):
+        P.simulate_plan([[("F", 0), ("B", 0)], [("F", 0)]])
+    with pytest.raises(RuntimeError, match="stage 1 waits for its own F0 before its B0"):
+        P.simulate_plan([[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]])
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 8), (4, 8), (3, 5)])
+def test_bubble_overhead_is_idle_over_compute(stages, micro_batches):
+    b = P.bubble_formula(stages, micro_batches)
+    assert P.bubble_overhead(stages, micro_batches) == pytest.approx(b / (1 - b))
+    assert P.bubble_overhead(stages, micro_batches, chunks=2) == pytest.approx(b / (1 - b) / 2)
