@@ -111,8 +111,9 @@ def shift_to_common_origin(t0: float) -> float:
 
 
 def measured_bubble(results: list[dict]) -> float:
-    """Idle share of the pipeline: 1 - (time spent computing) / (stages x wall time), from real timelines."""
-    start = min(op[2] for r in results for op in r["timeline"])
-    end = max(op[3] for r in results for op in r["timeline"])
-    busy = sum(op[3] - op[2] for r in results for op in r["timeline"])
+    """Idle share of the pipeline: 1 - (time spent computing) / (ranks x wall time), from real timelines (each
+    rank's ``timeline`` holds ops whose last two fields are their start and end)."""
+    start = min(op[-2] for r in results for op in r["timeline"])
+    end = max(op[-1] for r in results for op in r["timeline"])
+    busy = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
     return 1 - busy / (len(results) * (end - start))
