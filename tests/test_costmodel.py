@@ -55,6 +55,24 @@ def test_prediction_for_a_billion_parameters():
     assert math.isclose(costmodel.predict("ring", 0, 64, 1e-5, 0), 2 * 63 * 1e-5)
 
 
+def test_reduce_scatter_and_all_gather_are_half_a_ring():
+    assert costmodel.steps_and_volume("reduce-scatter", 8) == (7, 7 / 8) == costmodel.steps_and_volume("all-gather", 8)
+    rs = costmodel.predict("reduce-scatter", 1e9, 8, 1e-6, 1e-10)
+    assert 2 * rs == pytest.approx(costmodel.predict("ring", 1e9, 8, 1e-6, 1e-10))
+
+
+def test_two_level_all_reduce_by_hand():
+    nvlink, ib = (2e-6, 1 / 450e9), (5e-6, 1 / 50e9)
+    n, g, nodes = 4e9, 8, 8
+    inside = 2 * (7 * 2e-6 + 7 / 8 * n / 450e9)                     # reduce-scatter + all-gather over NVLink
+    across = 2 * 7 * 5e-6 + 2 * 7 / 8 * (n / 8) / 50e9               # ring all-reduce of 1/8 of the data
+    assert costmodel.predict_two_level(n, g, nodes, nvlink, ib) == pytest.approx(inside + across)
+    # one node: only the inside phases; the network carries 1/8 of a flat ring's bytes
+    assert costmodel.predict_two_level(n, g, 1, nvlink, ib) == pytest.approx(inside)
+    flat = costmodel.predict("ring", n, g * nodes, *ib)
+    assert costmodel.predict_two_level(n, g, nodes, nvlink, ib) < 0.3 * flat
+
+
 def test_timing_worker_measures_every_implementation_and_size():
     sizes = [1024, 65536]
     out = run(costmodel.time_all_reduce, 2, allreduce.IMPLEMENTATIONS, sizes, 2, backend="gloo", show_output=False)

@@ -9,7 +9,7 @@ from course_lib import checkpoint, viz
 from course_lib.data import make_dataset
 from course_lib.data_parallel import MiniDDP, ddp_features, measure, training
 from course_lib.data_parallel.training import TrainConfig, max_difference
-from course_lib.launch import RankError, run
+from course_lib.launch import RankError, RunTimeoutError, run
 from course_lib.models import WithExtras, make_mlp
 
 TOL = 1e-5
@@ -134,3 +134,15 @@ def test_sampler_pictures_use_the_real_sampler():
     assert same[0] == same[1] == same[2] and len({tuple(o) for o in new}) == 3
     fig = viz.draw_sampler(7, 3)
     assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(map(str, [0, 3, 6, 1, 4, 0, 2, 5, 1]))
+
+
+def test_an_unused_parameter_fails_at_the_next_forward_unless_ddp_is_told():
+    with pytest.raises(RankError, match="Expected to have finished reduction in the prior iteration"):
+        run(ddp_features.unused_parameter_worker, 2, False, backend="gloo", show_output=False, timeout=60)
+    assert run(ddp_features.unused_parameter_worker, 2, True, backend="gloo", show_output=False) == ["2 steps"] * 2
+
+
+def test_uneven_inputs_hang_without_join_and_finish_with_it(no_leftovers):
+    with pytest.raises(RunTimeoutError):
+        run(ddp_features.uneven_inputs_worker, 2, False, backend="gloo", show_output=False, timeout=5)
+    assert run(ddp_features.uneven_inputs_worker, 3, True, backend="gloo", show_output=False) == [3, 4, 5]

@@ -176,3 +176,76 @@ def test_average_gradients_check():
     for fn, phrase in ((forgot_to_divide, "times too large"), (did_nothing, "unchanged"), (used_reduce, "only rank 0")):
         fb = ex03.check_average_gradients(fn)
         assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def test_overlapped_averaging_check():
+    assert ex03.check_overlapped_averaging(ex03.launch_when_ready, ex03.wait_and_average).status == PASSED
+
+    def stub(model):
+        raise NotImplementedError
+    assert ex03.check_overlapped_averaging(stub, ex03.wait_and_average).status == NOT_ATTEMPTED
+
+    def after_backward_only(model):          # no hooks: nothing is launched while backward runs
+        return [model]
+
+    def average_at_the_end(pending):
+        average_gradients(pending[0])
+
+    def blocking_hooks(model):
+        done = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda q: done.append((q, dist.all_reduce(q.grad))))
+        return done
+
+    def divide_only(pending):
+        for p, _ in pending:
+            p.grad /= dist.get_world_size()
+
+    def wait_without_dividing(pending):
+        for _, work in pending:
+            work.wait()
+
+    cases = [((after_backward_only, average_at_the_end), "no all-reduce started during backward"),
+             ((blocking_hooks, divide_only), "block (async_op=False)"),
+             ((ex03.launch_when_ready, divide_only), "never waited for"),
+             ((ex03.launch_when_ready, wait_without_dividing), "2 times too large")]
+    for (launch, finish), phrase in cases:
+        fb = ex03.check_overlapped_averaging(launch, finish)
+        assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def test_global_batch_stats_check():
+    import torch
+    assert ex03.check_global_batch_stats(ex03.global_batch_stats).status == PASSED
+
+    def stub(x):
+        raise NotImplementedError
+    assert ex03.check_global_batch_stats(stub).status == NOT_ATTEMPTED
+
+    def local_only(x):
+        return x.mean(0), x.var(0, unbiased=False)
+
+    def mean_of_means(x):
+        mean, var = x.mean(0), x.var(0, unbiased=False)
+        dist.all_reduce(mean)
+        dist.all_reduce(var)
+        return mean / dist.get_world_size(), var / dist.get_world_size()
+
+    def weighted_mean_averaged_variances(x):
+        sums = torch.cat([x.sum(0), torch.tensor([float(len(x))], dtype=x.dtype)])
+        var = x.var(0, unbiased=False)
+        dist.all_reduce(sums)
+        dist.all_reduce(var)
+        return sums[:-1] / sums[-1], var / dist.get_world_size()
+
+    def unbiased(x):
+        mean, var = ex03.global_batch_stats(x)
+        count = torch.tensor([float(len(x))], dtype=x.dtype)
+        dist.all_reduce(count)
+        return mean, var * count / (count - 1)
+
+    for fn, phrase in ((local_only, "its own batch"), (mean_of_means, "averaged the ranks' means"),
+                       (weighted_mean_averaged_variances, "not the average of the ranks' variances"),
+                       (unbiased, "biased variance")):
+        fb = ex03.check_global_batch_stats(fn)
+        assert fb.status == WRONG and phrase in fb.message, fb

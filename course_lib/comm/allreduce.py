@@ -1,4 +1,4 @@
-"""All-reduce from scratch, with point-to-point messages only (``isend``/``irecv``/``send``/``recv``).
+"""All-reduce from scratch, with point-to-point messages only (``send``/``recv`` and paired ``isend``/``irecv``).
 
 Three algorithms, each a drop-in for ``dist.all_reduce(tensor)`` (in place, on every rank):
 
@@ -52,16 +52,22 @@ def all_reduce_algorithm(sum_in_place):
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
     """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``; return when both are done.
 
-    Posting both before waiting is what keeps a ring from deadlocking. Empty chunks (a tensor smaller
-    than the world) are skipped; both sides skip alike, since they agree on every chunk's size.
+    Both are handed to the backend together, with ``dist.batch_isend_irecv``, before waiting on either:
+    that is what keeps a ring from deadlocking. Posting a lone ``isend`` first is not enough on every
+    backend: NCCL may hold a large send until the peer has posted the matching receive, and if every
+    rank of a ring sends first, each waits for the other. ``batch_isend_irecv`` issues the pair as one
+    NCCL group (``ncclGroupStart``/``ncclGroupEnd``), so they progress together; on Gloo it posts both.
+    Empty chunks (a tensor smaller than the world) are skipped; both sides skip alike, since they agree
+    on every chunk's size.
     """
-    requests = []
+    ops = []
     if send.numel():
-        requests.append(dist.isend(send, dst))
+        ops.append(dist.P2POp(dist.isend, send, dst))
     if recv.numel():
-        requests.append(dist.irecv(recv, src))
-    for r in requests:
-        r.wait()
+        ops.append(dist.P2POp(dist.irecv, recv, src))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
 
 
 @all_reduce_algorithm
@@ -175,19 +181,21 @@ def ring_sends(world_size: int, step: int) -> list[int]:
 
 def bytes_sent(rank, world_size, name: str, numel: int) -> int:
     """Worker: run implementation ``name`` once on ``numel`` float32 elements and count the bytes this
-    rank sends (by wrapping ``dist.send`` and ``dist.isend`` in this process only)."""
+    rank sends (by wrapping ``dist.send`` and ``dist.batch_isend_irecv`` in this process only)."""
     sent = [0]
-    real_send, real_isend = dist.send, dist.isend
+    real_send, real_batch = dist.send, dist.batch_isend_irecv
 
-    def counting(real):
-        def wrapper(tensor, dst, *args, **kwargs):
-            sent[0] += tensor.numel() * tensor.element_size()
-            return real(tensor, dst, *args, **kwargs)
-        return wrapper
+    def send(tensor, dst, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real_send(tensor, dst, *args, **kwargs)
 
-    dist.send, dist.isend = counting(real_send), counting(real_isend)
+    def batch_isend_irecv(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    dist.send, dist.batch_isend_irecv = send, batch_isend_irecv
     try:
         IMPLEMENTATIONS[name](torch.zeros(numel))
     finally:
-        dist.send, dist.isend = real_send, real_isend
+        dist.send, dist.batch_isend_irecv = real_send, real_batch
     return sent[0]

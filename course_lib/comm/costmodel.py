@@ -12,8 +12,12 @@ steps, each step a message:
 * ring:                2(N-1) steps of n/N bytes: ``2(N-1)·α + 2(N-1)/N · n·β``
 * recursive doubling:  log2(N) steps of n bytes: ``⌈log2 N⌉·(α + n·β)`` (+2 steps when N is no power of 2)
 * naive:               2(N-1) messages of n bytes through rank 0's link: ``2(N-1)·(α + n·β)``
+* reduce-scatter, all-gather (ring): N-1 steps of n/N bytes each: ``(N-1)·α + (N-1)/N · n·β``
 
 Fit α and β to your own measurements (:func:`fit_alpha_beta`), and the model predicts the rest.
+
+Real clusters have two levels: GPUs inside a node share fast links (NVLink: an NVLink domain is the 8 GPUs of one
+node), nodes talk over the network. :func:`predict_two_level` models the hierarchical all-reduce that uses both.
 """
 from __future__ import annotations
 
@@ -49,13 +53,33 @@ def steps_and_volume(algorithm: str, world_size: int) -> tuple[float, float]:
         return k, k
     if algorithm == "naive":
         return 2 * (n - 1), 2 * (n - 1)
-    raise ValueError(f"no cost model for {algorithm!r}: use 'ring', 'recursive doubling' or 'naive'")
+    if algorithm in ("reduce-scatter", "all-gather"):
+        return n - 1, (n - 1) / n
+    raise ValueError(f"no cost model for {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+
+
+ALGORITHMS = ("ring", "recursive doubling", "naive", "reduce-scatter", "all-gather")
 
 
 def predict(algorithm: str, nbytes, world_size: int, alpha: float, beta: float):
     """Predicted seconds for one all-reduce of ``nbytes`` (a number or an array)."""
     steps, volume = steps_and_volume(algorithm, world_size)
     return steps * alpha + volume * np.asarray(nbytes, dtype=float) * beta
+
+
+def predict_two_level(nbytes, gpus_per_node: int, nodes: int, intra: tuple[float, float],
+                      inter: tuple[float, float]):
+    """Seconds for a hierarchical all-reduce of ``nbytes`` on ``nodes`` x ``gpus_per_node`` GPUs.
+
+    Three phases, each a ring: reduce-scatter inside every node over the fast links (``intra`` = (α, β)),
+    so each GPU holds the node's sum of 1/g of the data; all-reduce of that 1/g across the nodes over the
+    network (``inter``), GPU k of every node with GPU k of the others, all g rings at once, one network
+    link per GPU; all-gather inside the node. The network carries 1/g of what a flat ring would make it carry.
+    """
+    g = gpus_per_node
+    (a_i, b_i), (a_e, b_e) = intra, inter
+    inside = predict("reduce-scatter", nbytes, g, a_i, b_i) + predict("all-gather", nbytes, g, a_i, b_i)
+    return inside + predict("ring", np.asarray(nbytes, dtype=float) / g, nodes, a_e, b_e)
 
 
 def fit_alpha_beta(nbytes, seconds, algorithm: str, world_size: int) -> dict:

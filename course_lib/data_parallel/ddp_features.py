@@ -1,7 +1,10 @@
-"""torch's DistributedDataParallel, feature by feature: gradient accumulation with ``no_sync`` and
-checkpoints written by rank 0 and loaded on every rank.  Each function is a worker for ``launch.run``.
+"""torch's DistributedDataParallel, feature by feature: gradient accumulation with ``no_sync``, checkpoints written
+by rank 0 and loaded on every rank, unused parameters, and uneven inputs.  Each function is a worker for
+``launch.run``.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -11,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import checkpoint
 from ..data import make_dataset
 from ..hardware import rank_device
-from ..models import make_mlp
+from ..models import WithExtras, make_mlp
 
 
 def accumulation_worker(rank: int, world_size: int, micro_steps: int = 4, micro_batch: int = 8) -> dict:
@@ -68,3 +71,44 @@ def checkpoint_worker(rank: int, world_size: int, path: str, steps: int = 5) -> 
     resumed.load_state_dict(snap["optimizer"])
     same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.module.parameters()))
     return {"same_weights": same, "step": snap["step"], "device": str(device)}
+
+
+def unused_parameter_worker(rank: int, world_size: int, find_unused: bool, steps: int = 2) -> str:
+    """Train :class:`WithExtras` (a layer ``forward`` never calls) under DDP for ``steps`` steps.
+
+    DDP waits, in ``backward()``, for every parameter's gradient. The unused layer's never comes, so its
+    bucket is never reduced; DDP notices at the *next* forward pass and raises ("Expected to have finished
+    reduction in the prior iteration...") instead of waiting. ``find_unused_parameters=True`` makes DDP
+    search the autograd graph after each forward and mark what will get no gradient.
+    """
+    model = DDP(WithExtras(), find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_dataset(16 * world_size, seed=4).tensors
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x[rank::world_size]), y[rank::world_size]).backward()
+        opt.step()
+    return f"{steps} steps"
+
+
+def uneven_inputs_worker(rank: int, world_size: int, join: bool) -> int:
+    """Rank r gets 3 + r batches (no padding), trains on them under DDP, then waits at a barrier (where a script
+    would let rank 0 save a checkpoint). Returns the number of steps this rank took.
+
+    Without ``Join`` the rank with fewer batches reaches the barrier while the others are still in a gradient
+    all-reduce it will never join: the job hangs. ``Join([model])`` lets a rank that ran out of data shadow the
+    others' all-reduces (with zeros), until every rank has finished.
+    """
+    from torch.distributed.algorithms.join import Join
+    model = DDP(make_mlp(seed=0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_dataset(8 * (3 + rank), seed=10 + rank).tensors
+    steps = 0
+    with Join([model]) if join else contextlib.nullcontext():
+        for xb, yb in zip(x.split(8), y.split(8)):
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            steps += 1
+    dist.barrier()
+    return steps

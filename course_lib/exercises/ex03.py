@@ -1,7 +1,8 @@
-"""Notebook 03's exercise: average the gradients by hand, after ``backward()``, on every rank.
+"""Notebook 03's exercises: average the gradients by hand after ``backward()``; overlap that averaging with
+backward (an all-reduce launched from each gradient's hook); batch statistics over all ranks (SyncBatchNorm by hand).
 
-The check builds the same model on every rank, runs one backward pass on each rank's own batch, and
-compares the gradients after the learner's function with the true average over ranks.
+Each check runs the learner's code on real ranks and compares with the truth computed by the library: the average
+of the ranks' gradients, or the statistics of the union of the ranks' batches.
 """
 from __future__ import annotations
 
@@ -50,3 +51,171 @@ def check_average_gradients(fn):
             return wrong("only rank 0 has the average: use dist.all_reduce (not dist.reduce) so every rank gets it")
         return wrong(f"on {n} ranks the gradients after your function are not the average over ranks")
     return passed("after your function every rank holds the average gradient, on 2 and 3 ranks")
+
+
+# ---- overlap: launch each gradient's all-reduce from a hook, wait before the step --------------------------
+
+def launch_when_ready(model) -> list:
+    """Reference: a hook on every parameter launches its gradient's all-reduce, asynchronously, the moment the
+    gradient has been accumulated; the returned list collects ``(parameter, work)`` pairs as backward runs."""
+    pending = []
+
+    def hook(p):
+        pending.append((p, dist.all_reduce(p.grad, async_op=True)))   # returns at once: backward goes on
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+    return pending
+
+
+def wait_and_average(pending: list) -> None:
+    """Reference: before ``optimizer.step()``, wait for every launched all-reduce and divide by the world size."""
+    world_size = dist.get_world_size()
+    for p, work in pending:
+        work.wait()
+        p.grad /= world_size
+    pending.clear()
+
+
+class _Watched:
+    """A work handle that remembers whether the learner waited on it."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def overlap_trial(rank, world_size, launch, finish):
+    """Worker: one backward pass with the learner's hooks; records the all-reduces launched during backward."""
+    import copy
+    model = make_mlp(seed=0, depth=3)
+    reference = copy.deepcopy(model)
+    x, y = make_dataset(32 * world_size, seed=6).tensors
+    x, y = x[rank::world_size], y[rank::world_size]
+    F.cross_entropy(reference(x), y).backward()
+    for p in reference.parameters():                      # the truth, computed before any hook exists
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    real, calls, in_backward = dist.all_reduce, [], [True]
+
+    def watching(tensor, *args, async_op=False, **kwargs):
+        work = real(tensor, *args, async_op=async_op, **kwargs)
+        calls.append({"during_backward": in_backward[0], "async": async_op})
+        return _Watched(work) if async_op else work
+    dist.all_reduce = watching
+    try:
+        pending = launch(model)
+        F.cross_entropy(model(x), y).backward()
+        in_backward[0] = False
+        launched = [c for c in calls if c["during_backward"]]
+        watched = [w for w in _works(pending)]
+        finish(pending)
+    finally:
+        dist.all_reduce = real
+    got = [p.grad.clone() for p in model.parameters()]
+    return {"expected": [p.grad for p in reference.parameters()], "got": got, "launched": launched,
+            "params": sum(1 for _ in model.parameters()), "unwaited": sum(not w.waited for w in watched)}
+
+
+def _works(pending) -> list:
+    """The watched work handles inside whatever the learner's ``launch`` returned (a list of pairs, of works...)."""
+    found, todo = [], [pending]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, _Watched):
+            found.append(item)
+        elif isinstance(item, (list, tuple, set)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    return found
+
+
+def check_overlapped_averaging(launch, finish):
+    """``launch(model)`` registers the hooks (and returns what ``finish`` needs); after backward, ``finish(that)``
+    leaves every rank with the average gradient. The all-reduces must start during backward, asynchronously."""
+    results, feedback = run_attempt(overlap_trial, 2, launch, finish, timeout=20)
+    if feedback is not None:
+        return feedback
+    r = results[0]
+    if not r["launched"]:
+        return wrong("no all-reduce started during backward(): register a hook on each parameter "
+                     "(p.register_post_accumulate_grad_hook) and launch the all-reduce inside it")
+    if not all(c["async"] for c in r["launched"]):
+        return wrong("the all-reduces in your hooks block (async_op=False): backward waits for each one, so nothing "
+                     "overlaps. Launch them with async_op=True and wait for them in `finish`")
+    if any(res["unwaited"] for res in results):
+        return wrong(f"{max(res['unwaited'] for res in results)} of the launched all-reduces were never waited for: "
+                     "call .wait() on every work before reading p.grad (the sum may still be in flight)")
+    if all(_all_equal(res["got"], [g * 2 for g in res["expected"]]) for res in results):
+        return wrong("the gradients are 2 times too large on 2 ranks: divide by the world size after waiting")
+    if not all(_all_equal(res["got"], res["expected"]) for res in results):
+        return wrong("after `finish` the gradients are not the average over ranks")
+    return passed(f"{len(r['launched'])} all-reduces started during backward, one per parameter as its gradient "
+                  "was ready, and every rank ends with the average")
+
+
+# ---- batch statistics over all ranks (SyncBatchNorm by hand) ------------------------------------------------
+
+def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the per-channel mean and (biased) variance over every rank's samples, whatever the batch sizes.
+
+    One all-reduce of three sums: of x, of x squared, and the count. var = E[x²] - E[x]²."""
+    channels = x.shape[1]
+    sums = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))], dtype=x.dtype)])
+    dist.all_reduce(sums)
+    count = sums[-1]
+    mean = sums[:channels] / count
+    return mean, sums[channels:2 * channels] / count - mean ** 2
+
+
+def stats_trial(rank, world_size, fn):
+    """Worker: rank r has 3 + 2r samples drawn around a centre of its own; the learner's statistics and the truth."""
+    g = torch.Generator().manual_seed(0)
+    everyone = [torch.randn(3 + 2 * r, 5, generator=g, dtype=torch.float64) * (1 + r) + 3 * r
+                for r in range(world_size)]
+    mine = everyone[rank]
+    union = torch.cat(everyone)
+    local_mean, local_var = mine.mean(0), mine.var(0, unbiased=False)
+    got = fn(mine.clone())
+    return {"got": got, "true": (union.mean(0), union.var(0, unbiased=False)), "unbiased": union.var(0),
+            "local": (local_mean, local_var),
+            "mean_of_means": torch.stack([e.mean(0) for e in everyone]).mean(0),
+            "mean_of_vars": torch.stack([e.var(0, unbiased=False) for e in everyone]).mean(0)}
+
+
+def check_global_batch_stats(fn):
+    """``fn(x)`` returns ``(mean, var)`` per channel over all ranks' samples, on every rank, for uneven batches."""
+    results, feedback = run_attempt(stats_trial, 3, fn, timeout=15)
+    if feedback is not None:
+        return feedback
+    for r in results:
+        got = r["got"]
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(torch.is_tensor(t) for t in got)):
+            return wrong(f"return two tensors (mean, var) of one value per channel, got {type(got).__name__}")
+        mean, var = (t.to(torch.float64) for t in got)
+        if mean.shape != r["true"][0].shape or var.shape != r["true"][1].shape:
+            return wrong(f"mean and var must have one value per channel, shape {tuple(r['true'][0].shape)}, "
+                         f"got {tuple(mean.shape)} and {tuple(var.shape)}")
+        close = lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-9)  # noqa: E731
+        if close(mean, r["local"][0]):
+            return wrong("each rank returned its own batch's statistics: combine them across ranks with all_reduce")
+        if close(mean, r["mean_of_means"]):
+            return wrong("you averaged the ranks' means, but the ranks have batches of different sizes: add up the "
+                         "sums and the counts over all ranks, then divide")
+        if not close(mean, r["true"][0]):
+            return wrong("the mean is not the mean of all ranks' samples")
+        if close(var, r["mean_of_vars"]):
+            return wrong("the variance of the union is not the average of the ranks' variances (their means "
+                         "differ): all-reduce the sum of squares too, and use var = E[x²] - E[x]²")
+        if close(var, r["unbiased"]):
+            return wrong("BatchNorm normalises with the biased variance: divide by the count, not count - 1")
+        if not close(var, r["true"][1]):
+            return wrong("the variance is not the variance of all ranks' samples")
+    return passed("every rank has the mean and variance of all 3 ranks' samples, with batches of 3, 5 and 7")

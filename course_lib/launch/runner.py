@@ -71,7 +71,8 @@ def _context():
     if _fast_context is None:
         if "forkserver" in mp.get_all_start_methods():
             _fast_context = mp.get_context("forkserver")
-            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle"])
+            # torch._dynamo too: DDP, FSDP and DTensor import it on first use, which costs seconds per rank
+            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle"])
         else:
             _fast_context = mp.get_context("spawn")
     return _fast_context
