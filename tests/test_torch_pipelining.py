@@ -72,9 +72,15 @@ def test_torch_runs_the_orders_the_course_teaches_and_times_every_op():
             stages = stage_indices(rank, 2, config.get("stages_per_rank", 1))
             assert sorted((op, i, s) for op, i, s, *_ in timeline) == sorted(
                 (op, i, s) for op in "FB" for i in range(M) for s in stages)
-            assert all(0 <= a < b for *_, a, b in timeline)
-            assert all(x[4] <= y[3] + 1e-9 for x, y in zip(timeline, timeline[1:]))  # one op at a time per rank
+            assert all(0 <= a < b and 0 < cpu <= (b - a) * 1.05 + 1e-3 for *_, cpu, a, b in timeline)
+            assert all(x[5] <= y[4] + 1e-9 for x, y in zip(timeline, timeline[1:]))  # one op at a time per rank
     assert stage_indices(1, 2, 2) == [1, 3]
+    # the orders torch ran, played with equal forwards and equal backwards: idle / compute is (p-1)/(v m) exactly
+    for k, chunks in ((0, 1), (1, 1), (2, 2)):
+        ranks = [[(op, i, s, 1.0 if op == "F" else 2.0) for op, i, s, *_ in r[k]["timeline"]] for r in res]
+        b = P.play(ranks, 2 * chunks)["bubble"]
+        assert b / (1 - b) == pytest.approx(P.bubble_overhead(2, M, chunks), abs=1e-12)
+    assert P.replayed([r[2] for r in res])["makespan"] > 0                  # the same, with the measured CPU times
 
 
 def test_four_ranks_1f1b_and_interleaved_equal_the_unsplit_model():

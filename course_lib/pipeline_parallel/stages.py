@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models import mlp
-from .schedules import schedule
+from .schedules import play, schedule
 
 
 def make_stage(rank: int, width: int, layers_per_stage: int, seed: int = 0) -> nn.Sequential:
@@ -39,8 +39,10 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     Rank s holds stage s. Stage 0 reads the input, the last stage computes the loss (mean squared error
     over the whole batch: each micro-batch's loss is weighted by its share of the batch, so uneven
     micro-batches are right too). Returns the stage's gradients, what it held at most, and when each op
-    ran (seconds since the moment the first rank started: ``perf_counter`` is one clock for all the
-    processes of a machine, so the ranks' timelines line up).
+    ran: ``(op, micro_batch, stage, cpu, start, end)``, start and end in seconds since the moment the first rank
+    started (``perf_counter`` is one clock for all the processes of a machine, so the ranks' timelines line up),
+    ``cpu`` the CPU time the op took (less than end - start when the operating system gave the core to another
+    program meanwhile).
     """
     torch.set_flush_denormal(True)  # tiny gradients as denormal floats make CPU arithmetic 10-100x slower
     stage = make_stage(rank, width, layers_per_stage)
@@ -56,6 +58,14 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     timeline = []
     dist.barrier()
     t0 = time.perf_counter()
+
+    def now() -> tuple[float, float]:
+        return time.thread_time(), time.perf_counter() - t0
+
+    def note(op: str, i: int, start: tuple[float, float]) -> None:
+        cpu, end = now()
+        timeline.append((op, i, rank, cpu - start[0], start[1], end))
+
     # Post every receive at once: each message then lands while this stage is busy with something else,
     # instead of after it asks (messages between two ranks arrive in the order they were sent).
     acts = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not first else {}
@@ -70,9 +80,9 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
             else:
                 pending.pop(("F", i)).wait()
                 inp = acts.pop(i).requires_grad_()
-            start = time.perf_counter() - t0
+            start = now()
             out = stage(inp)
-            timeline.append(("F", i, start, time.perf_counter() - t0))
+            note("F", i, start)
             inputs[i], outputs[i] = inp, out
             held += 1
             peak = max(peak, held)
@@ -80,14 +90,14 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
                 sends.append(dist.isend(out.detach(), dst=rank + 1))
         else:
             if last:
-                start = time.perf_counter() - t0
+                start = now()
                 loss = F.mse_loss(outputs[i], ys[i]) * len(ys[i]) / batch
                 loss.backward()
             else:
                 pending.pop(("B", i)).wait()
-                start = time.perf_counter() - t0
+                start = now()
                 outputs[i].backward(grads.pop(i))
-            timeline.append(("B", i, start, time.perf_counter() - t0))
+            note("B", i, start)
             if not first:
                 sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
             del inputs[i], outputs[i]  # this micro-batch's activations can go
@@ -96,7 +106,7 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
         s.wait()
     total = time.perf_counter() - t0
     shift = shift_to_common_origin(t0)
-    timeline = [(op, i, a + shift, b + shift) for op, i, a, b in timeline]
+    timeline = [(op, i, s, cpu, a + shift, b + shift) for op, i, s, cpu, a, b in timeline]
     return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
             "timeline": timeline, "total": total}
 
@@ -117,3 +127,11 @@ def measured_bubble(results: list[dict]) -> float:
     end = max(op[-1] for r in results for op in r["timeline"])
     busy = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
     return 1 - busy / (len(results) * (end - start))
+
+
+def replayed(results: list[dict]) -> dict:
+    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with each op lasting its
+    measured CPU time and messages free: the bubble the schedule itself leaves, for these ops' real costs, without
+    what the wall clock adds (messages, overheads, and time-slicing on a busy machine)."""
+    stages = 1 + max(s for r in results for _, _, s, *_ in r["timeline"])
+    return play([[(op, i, s, cpu) for op, i, s, cpu, _, _ in r["timeline"]] for r in results], stages)

@@ -50,7 +50,9 @@ class _Mark(torch.autograd.Function):
 
 
 class Timed(nn.Module):
-    """``inner`` with the start and end of every forward and backward noted in ``log``."""
+    """``inner`` with every forward and backward noted in ``log`` as ``(op, micro_batch, stage, cpu, start, end)``:
+    start and end on the wall clock (seconds since ``t0[0]``), ``cpu`` the seconds of CPU time this thread spent
+    in it (less than end - start when the operating system gave the core to another program meanwhile)."""
 
     def __init__(self, inner: nn.Module, stage: int, log: list, t0: list):
         super().__init__()
@@ -58,19 +60,25 @@ class Timed(nn.Module):
 
     def forward(self, x):
         i, self.count = self.count, self.count + 1             # the micro-batch: the schedule runs them in order
-        start = time.perf_counter()
-        backward = {}
+        start = self._now()
+        backward: dict = {}
         if not x.requires_grad:   # the first stage: its input gets a gradient too, only so that every stage does
             x = x.detach().requires_grad_()       # equal work (as in pipeline_worker), and the end of B is noted
         x = _Mark.apply(x, lambda: self._note_backward(i, backward, "end"))
         out = _Mark.apply(self.inner(x), lambda: self._note_backward(i, backward, "start"))
-        self.log.append(("F", i, self.stage, start - self.t0[0], time.perf_counter() - self.t0[0]))
+        self._note("F", i, start, self._now())
         return out
 
+    def _now(self) -> tuple[float, float]:
+        return time.thread_time(), time.perf_counter() - self.t0[0]
+
+    def _note(self, op: str, i: int, start: tuple[float, float], end: tuple[float, float]) -> None:
+        self.log.append((op, i, self.stage, end[0] - start[0], start[1], end[1]))
+
     def _note_backward(self, i: int, backward: dict, which: str) -> None:
-        backward[which] = time.perf_counter() - self.t0[0]
+        backward[which] = self._now()     # on a CPU, autograd runs the backward on the thread that called it
         if which == "end":
-            self.log.append(("B", i, self.stage, backward["start"], backward["end"]))
+            self._note("B", i, backward["start"], backward["end"])
 
 
 def stage_indices(rank: int, world_size: int, stages_per_rank: int) -> list[int]:
@@ -87,7 +95,8 @@ def torch_pipeline_step(rank: int, world_size: int, schedule: str = "1f1b", micr
     can be compared with ``pipeline_worker``'s and the unsplit model's. The first step is a warm-up (torch
     infers the shapes and sets up its buffers then); its gradients are dropped. Returns this rank's gradients per
     stage (``{stage: [grad, ...]}``), the per-micro-batch losses (on the last stage's rank), and the timeline of
-    the second step: ``(op, micro_batch, stage, start, end)`` in seconds from the earliest rank's start.
+    the second step: ``(op, micro_batch, stage, cpu, start, end)`` (:class:`Timed`), start and end in seconds from
+    the earliest rank's start.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: use one of {list(SCHEDULES)}")
@@ -121,7 +130,7 @@ def torch_pipeline_step(rank: int, world_size: int, schedule: str = "1f1b", micr
         t0[0] = time.perf_counter()
         pipe.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
     shift = shift_to_common_origin(t0[0])
-    timeline = sorted(((op, i, s, a + shift, b + shift) for op, i, s, a, b in log), key=lambda e: e[3])
+    timeline = sorted(((op, i, s, cpu, a + shift, b + shift) for op, i, s, cpu, a, b in log), key=lambda e: e[4])
     return {"grads": {s: [p.grad.clone() for p in m.parameters()] for s, m in modules.items()},
             "losses": [float(v) for v in losses], "timeline": timeline}
 
@@ -130,3 +139,4 @@ def torch_pipeline_worker(rank: int, world_size: int, *configs: dict) -> list[di
     """:func:`torch_pipeline_step` for each of ``configs`` (keyword arguments) in turn, in one launch: importing
     ``torch.distributed.pipelining`` costs each process seconds, so a notebook pays it once."""
     return [torch_pipeline_step(rank, world_size, **c) for c in configs]
+
