@@ -4,12 +4,13 @@
   deadlocks); the bubble formulas; activations held.
 * :mod:`.stages`: a schedule run for real across processes, measured (wall clock and CPU time), and replayed.
 * :mod:`.torch_pipelining`: the same with PyTorch's own ``torch.distributed.pipelining`` (GPipe, 1F1B,
-  interleaved 1F1B). Not imported here: importing ``torch.distributed.pipelining`` takes each process
-  seconds, so only the code that uses it pays for it
+  interleaved 1F1B). Not imported here: importing ``torch.distributed.pipelining`` takes a fresh Python
+  seconds (it pulls in torch's compiler stack), so only the code that uses it pays for it
   (``from course_lib.pipeline_parallel.torch_pipelining import torch_pipeline_worker``).
 """
 from .schedules import KINDS, bubble_formula, bubble_overhead, peak_in_flight, play, schedule, simulate, simulate_plan
 from .stages import (
+           UNDISTURBED,
            make_batch,
            make_full_model,
            make_stage,
@@ -17,8 +18,9 @@ from .stages import (
            pipeline_worker,
            replayed,
            shift_to_common_origin,
+           stretch,
 )
 
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
-           "replayed", "shift_to_common_origin"]
+           "replayed", "stretch", "UNDISTURBED", "shift_to_common_origin"]

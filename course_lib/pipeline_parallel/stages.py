@@ -6,6 +6,7 @@ start and end are recorded on a clock all the ranks share.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -129,9 +130,28 @@ def measured_bubble(results: list[dict]) -> float:
     return 1 - busy / (len(results) * (end - start))
 
 
+UNDISTURBED = 1.6   # ops that took at most this times their CPU time on the wall clock: the timeline shows the schedule
+
+
+def stretch(results: list[dict]) -> float:
+    """The ops' wall-clock time over the CPU time they used: 1.0 when nothing else wanted the cores; about 1.5 when
+    two stages share two cores with one other busy program (time-slicing); more on a busier machine. Above
+    :data:`UNDISTURBED` a timeline shows the operating system's time-slicing more than the schedule."""
+    wall = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
+    return wall / sum(op[3] for r in results for op in r["timeline"])
+
+
 def replayed(results: list[dict]) -> dict:
-    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with each op lasting its
-    measured CPU time and messages free: the bubble the schedule itself leaves, for these ops' real costs, without
-    what the wall clock adds (messages, overheads, and time-slicing on a busy machine)."""
-    stages = 1 + max(s for r in results for _, _, s, *_ in r["timeline"])
-    return play([[(op, i, s, cpu) for op, i, s, cpu, _, _ in r["timeline"]] for r in results], stages)
+    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with messages free and each
+    op lasting the CPU time it needed: the bubble the schedule itself leaves for these ops' real costs, without what
+    the wall clock adds (messages, overheads, and time-slicing on a busy machine).
+
+    An op's cost is the median CPU time of the ops of its kind (forward or backward) on its stage: one op slowed by
+    another program (sharing the memory bus or the caches) does not move the result; a slower stage does."""
+    costs: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for op, _, s, cpu, _, _ in r["timeline"]:
+            costs.setdefault((op, s), []).append(cpu)
+    typical = {key: statistics.median(values) for key, values in costs.items()}
+    stages = 1 + max(s for _, s in typical)
+    return play([[(op, i, s, typical[op, s]) for op, i, s, *_ in r["timeline"]] for r in results], stages)

@@ -19,7 +19,8 @@ divides into m equal micro-batches that is the gradient of the whole batch's mea
 
 To see who computed when, each stage's module is wrapped in :class:`Timed`: it notes the start and end of
 every forward, and two autograd markers note when the backward of a micro-batch reaches the stage's
-output (its start) and its input (its end), on the clock :func:`.stages.pipeline_worker` uses.
+output (its start) and its input (its end), on the clocks :func:`.stages.pipeline_worker` uses (the wall
+clock, and the CPU time the op really used).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def torch_pipeline_step(rank: int, world_size: int, schedule: str = "1f1b", micr
     if batch % micro_batches:
         raise ValueError(f"a batch of {batch} does not divide into {micro_batches} equal micro-batches: torch's "
                          "gradient scaling (1/m) is the batch mean only for equal micro-batches")
-    import torch.distributed.pipelining as pipelining  # here, not at the top: the import takes seconds
+    import torch.distributed.pipelining as pipelining  # here: in a fresh Python (a kernel) it takes seconds
 
     torch.set_flush_denormal(True)  # tiny gradients as denormal floats make CPU arithmetic 10-100x slower
     n_stages = world_size * stages_per_rank
@@ -136,7 +137,7 @@ def torch_pipeline_step(rank: int, world_size: int, schedule: str = "1f1b", micr
 
 
 def torch_pipeline_worker(rank: int, world_size: int, *configs: dict) -> list[dict]:
-    """:func:`torch_pipeline_step` for each of ``configs`` (keyword arguments) in turn, in one launch: importing
-    ``torch.distributed.pipelining`` costs each process seconds, so a notebook pays it once."""
+    """:func:`torch_pipeline_step` for each of ``configs`` (keyword arguments) in turn, in one launch of the
+    ranks (each launch starts fresh processes: what they set up, a notebook pays once)."""
     return [torch_pipeline_step(rank, world_size, **c) for c in configs]
 
