@@ -130,13 +130,15 @@ def measured_bubble(results: list[dict]) -> float:
     return 1 - busy / (len(results) * (end - start))
 
 
-UNDISTURBED = 1.6   # ops that took at most this times their CPU time on the wall clock: the timeline shows the schedule
+UNDISTURBED = 1.2   # ops that took at most this times their CPU time ran nearly undisturbed
 
 
 def stretch(results: list[dict]) -> float:
     """The ops' wall-clock time over the CPU time they used: 1.0 when nothing else wanted the cores; about 1.5 when
     two stages share two cores with one other busy program (time-slicing); more on a busier machine. Above
-    :data:`UNDISTURBED` a timeline shows the operating system's time-slicing more than the schedule."""
+    :data:`UNDISTURBED` a timeline shows the operating system's time-slicing as much as the schedule: a stage
+    waits for a neighbour the operating system has set aside for a few milliseconds, or computes while the
+    neighbour's ops are stretched."""
     wall = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
     return wall / sum(op[3] for r in results for op in r["timeline"])
 
