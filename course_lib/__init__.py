@@ -13,6 +13,8 @@ The layers, each using only those above it:
 ``model_parallel/``       layers split across devices in one process
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining
 ``memory/``               the bytes training needs, predicted and measured
+``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
+                          blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``faults``                things broken on purpose, each ending as a clear error
 ``viz/``                  pictures, explorers (widgets) and source listings
 ``exercises/``            the checks of the notebooks' exercises
@@ -33,5 +35,8 @@ Notebook → the modules it shows and uses:
 * 06 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex06``
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
+* 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
+  ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
+  ``viz.tensor_parallel``, ``exercises.ex09``
 """
 __version__ = "0.2.0"

@@ -47,8 +47,8 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("03_data_parallel.ipynb", "Data parallelism, from scratch to DDP",
              "gradient averaging, DistributedSampler, buckets and overlap, no_sync, LR scaling", 0, "full", 45),
     Notebook("04_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
-             "the seed program fixed; torchrun; resume; multi-node; NCCL variables; bf16; bus bandwidth", 2,
-             "partial", 45),
+             "the seed program fixed; torchrun; resume; multi-node and SLURM; NCCL variables; bf16; bus bandwidth", 2,
+             "partial", 55),
     Notebook("05_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
              "partial", 15),
@@ -57,6 +57,9 @@ NOTEBOOKS: list[Notebook] = [
              "interleaved 1F1B", 0, "full", 45),
     Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
+    Notebook("09_tensor_parallel.ipynb", "Tensor parallelism",
+             "f and g; column/row-parallel layers, attention split by heads; sequence parallelism; dropout under TP; "
+             "DTensor, DeviceMesh, parallelize_module; a 2×2 mesh with FSDP2", 0, "full", 50),
 ]
 
 

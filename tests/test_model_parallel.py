@@ -99,6 +99,17 @@ def test_memory_widget_driven_in_code():
     assert calc.state["breakdown"]["optimizer states"] == 0
 
 
+def test_memory_widget_keeps_the_number_typed_and_says_what_it_computed():
+    calc = MemoryCalculator(billions=7, dtype="bf16", optimizer="adam", device_gib=80)
+    assert calc.state["breakdown"] == memory.training_memory(7_000_000_000, "bf16", "adam")
+    assert "7 B parameters, bf16, adam" in calc.out.value and "104.3 GiB" in calc.out.value
+    calc.billions.value = 70.5                         # a text box: no slider step to round it
+    assert calc.billions.value == 70.5 and calc.state["breakdown"]["total"] == 70_500_000_000 * 16
+    bundle = calc._repr_mimebundle_()                  # what a saved notebook holds for the widget
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == calc.widget.model_id
+    assert "run this cell" in bundle["text/plain"]
+
+
 @pytest.mark.gpu
 def test_timeline_on_a_gpu_comes_from_cuda_events_without_stopping_the_queue():
     model = mlp([512] * 5, nn.Tanh, last_activation=True, seed=0)

@@ -2,7 +2,24 @@
 
 * :mod:`.mlp`: multi-layer perceptrons (one builder, :func:`mlp`), the training notebooks' classifier
   :func:`make_mlp`, and :class:`WithExtras` (a buffer and an unused parameter).
+* :mod:`.transformer`: a small GPT-style transformer (:func:`transformer`, :class:`TransformerConfig`), its
+  blocks usable alone (:class:`MLP`, :class:`CausalSelfAttention`), and its one-process training
+  (:func:`train_reference`), the result every parallel layout must reproduce.
 """
 from .mlp import WithExtras, make_mlp, mlp
+from .transformer import (
+    MLP,
+    Block,
+    CausalSelfAttention,
+    LMTrainConfig,
+    Transformer,
+    TransformerConfig,
+    batch_indices,
+    lm_loss,
+    make_optimizer,
+    train_reference,
+    transformer,
+)
 
-__all__ = ["mlp", "make_mlp", "WithExtras"]
+__all__ = ["mlp", "make_mlp", "WithExtras", "transformer", "Transformer", "TransformerConfig", "Block", "MLP",
+           "CausalSelfAttention", "lm_loss", "LMTrainConfig", "batch_indices", "make_optimizer", "train_reference"]

@@ -3,6 +3,7 @@
 * :mod:`.collectives`: what ranks hold before and after a collective; the ring's steps; all-reduce sweeps.
 * :mod:`.training`: how a sampler shards the data, bucket timelines, loss curves (data parallelism).
 * :mod:`.pipeline`: Gantt charts of pipeline schedules, simulated or measured.
+* :mod:`.tensor_parallel`: matrices split by columns and rows, DTensor placements, who holds what on a mesh.
 * :mod:`.widgets`: explorers (ipywidgets) wired to tested pure functions; each keeps ``.state``.
 * :mod:`.source`: :func:`show_source`, the real code of what a notebook runs.
 * :mod:`.style`: one colour per rank.
@@ -13,8 +14,9 @@ from .collectives import collective_texts, draw_barrier, draw_collective, draw_r
 from .pipeline import draw_pipeline
 from .source import show_source
 from .style import rank_color
+from .tensor_parallel import draw_holdings, draw_local_parts, draw_matmul_split, holders
 from .training import draw_bucket_timeline, draw_epoch_orders, draw_sampler, plot_losses
 
 __all__ = ["draw_collective", "collective_texts", "draw_barrier", "draw_ring_state", "plot_all_reduce_sweep",
            "owner", "draw_pipeline", "draw_sampler", "draw_epoch_orders", "draw_bucket_timeline", "plot_losses",
-           "show_source", "rank_color"]
+           "show_source", "rank_color", "draw_matmul_split", "draw_local_parts", "draw_holdings", "holders"]

@@ -2,6 +2,10 @@
 
 Each explorer keeps what it drew last in ``.state``, so a notebook can drive it in code (set a
 control's value, then assert on ``.state``) and no later cell depends on a human moving a slider.
+
+A widget lives in the kernel that drew it: reopen a saved notebook and JupyterLab shows "Error displaying
+widget: model not found" until the cell runs again (ipywidgets has no fallback there). Front ends without
+widgets (nbconvert, a notebook viewer) show the text of ``Explorer._repr_mimebundle_`` instead, which says so.
 """
 from __future__ import annotations
 
@@ -14,6 +18,18 @@ from .collectives import draw_collective, draw_ring_state
 from .pipeline import draw_pipeline
 
 
+class Explorer:
+    """What every explorer shares: ``self.widget`` is displayed, with a text fallback that says what to do."""
+
+    widget: W.Widget
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = (f"{type(self).__name__}: an interactive explorer. It needs the kernel that drew it: "
+                                "run this cell in JupyterLab to use it.")
+        return bundle
+
+
 def collective_state(name: str, world_size: int) -> dict:
     """What the explorer shows for ``name`` on ``world_size`` ranks: the reference before and after."""
     if not 1 <= world_size <= 16:
@@ -22,7 +38,7 @@ def collective_state(name: str, world_size: int) -> dict:
     return {"name": name, "world_size": world_size, "before": before, "after": collectives.expected(name, before)}
 
 
-class CollectiveExplorer:
+class CollectiveExplorer(Explorer):
     """Pick a collective and a world size; see every rank's data before and after it."""
 
     def __init__(self, name: str = "all_reduce", world_size: int = 4, max_world_size: int = 8):
@@ -44,11 +60,8 @@ class CollectiveExplorer:
             display(fig)
             plt.close(fig)
 
-    def _ipython_display_(self):
-        display(self.widget)
 
-
-class RingStepper:
+class RingStepper(Explorer):
     """Step through the ring all-reduce: world size and step number, drawn by :func:`.collectives.draw_ring_state`."""
 
     def __init__(self, world_size: int = 4, step: int = 0, max_world_size: int = 8):
@@ -75,21 +88,20 @@ class RingStepper:
             display(fig)
             plt.close(fig)
 
-    def _ipython_display_(self):
-        display(self.widget)
 
-
-class MemoryCalculator:
+class MemoryCalculator(Explorer):
     """Model size, precision, optimizer and device memory in; does it fit, and what takes the space, out."""
 
     def __init__(self, billions: float = 7.0, dtype: str = "bf16", optimizer: str = "adam", device_gib: float = 80.0):
         from .. import memory
         self._memory = memory
-        self.billions = W.FloatLogSlider(value=billions, base=10, min=-3, max=3, step=0.05,
-                                         description="params (B)")
+        # A text box, not a slider: a slider shows and sends back only the values on its steps (a log slider with
+        # step 0.05 turns 7 into 7.08 as soon as a browser draws it), and a learner wants exactly 7 or 70.
+        self.billions = W.BoundedFloatText(value=billions, min=0, max=100_000, step=1, description="params (B)",
+                                           tooltip="billions of parameters: type any number, e.g. 7 or 70")
         self.dtype = W.Dropdown(options=list(memory.DTYPE_BYTES), value=dtype, description="precision")
         self.optimizer = W.Dropdown(options=list(memory.OPTIMIZER_STATES), value=optimizer, description="optimizer")
-        self.device_gib = W.FloatText(value=device_gib, description="device GiB")
+        self.device_gib = W.BoundedFloatText(value=device_gib, min=0, max=100_000, step=8, description="device GiB")
         self.out = W.HTML()
         self.state: dict = {}
         controls = (self.billions, self.dtype, self.optimizer, self.device_gib)
@@ -100,19 +112,17 @@ class MemoryCalculator:
 
     def _update(self, *_):
         m = self._memory
-        parts = m.training_memory(int(self.billions.value * 1e9), self.dtype.value, self.optimizer.value)
+        billions, dtype, optimizer = self.billions.value, self.dtype.value, self.optimizer.value
+        parts = m.training_memory(round(billions * 1e9), dtype, optimizer)
         ok = m.fits(parts, self.device_gib.value)
         self.state = {"breakdown": parts, "fits": ok}
         rows = "".join(f"<tr><td>{k}</td><td>{m.human(v)}</td></tr>" for k, v in parts.items() if v)
         verdict = "fits" if ok else "does NOT fit"
-        self.out.value = (f"<table>{rows}</table><b>{verdict}</b> in {self.device_gib.value:g} GiB "
-                          "(90% usable; activations not included)")
-
-    def _ipython_display_(self):
-        display(self.widget)
+        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}:<table>{rows}</table><b>{verdict}</b> "
+                          f"in {self.device_gib.value:g} GiB (90% usable; activations not included)")
 
 
-class ScheduleExplorer:
+class ScheduleExplorer(Explorer):
     """Pick a schedule, a number of stages and of micro-batches; see who works when, and the bubble."""
 
     def __init__(self, kind: str = "gpipe", stages: int = 4, micro_batches: int = 8):
@@ -120,7 +130,8 @@ class ScheduleExplorer:
         self._pipeline = pipeline
         self.kind = W.Dropdown(options=list(pipeline.KINDS), value=kind, description="schedule")
         self.stages = W.IntSlider(value=stages, min=1, max=8, description="stages")
-        self.micro_batches = W.IntSlider(value=micro_batches, min=1, max=16, description="micro-batches")
+        self.micro_batches = W.IntSlider(value=micro_batches, min=1, max=16, description="micro-batches",
+                                         style={"description_width": "initial"})   # the default width cuts it
         self.out = W.Output()
         self.state: dict = {}
         self.widget = W.VBox([W.HBox([self.kind, self.stages, self.micro_batches]), self.out])
@@ -140,6 +151,3 @@ class ScheduleExplorer:
                                     f"{self.state['peak_in_flight']}", unit="time (forward = 1, backward = 2)")
             display(fig)
             plt.close(fig)
-
-    def _ipython_display_(self):
-        display(self.widget)

@@ -1,0 +1,174 @@
+"""Notebook 04's capstone: the seed's DDP program, fixed by the learner, run as two "nodes" of one GPU each.
+
+The seed program (see ``notebooks/04``) has bugs that only show on more than one node: it uses the *global* rank as
+the device index, picks the device after ``init_process_group``, never destroys the process group, and keeps the
+learning rate of one process while the global batch grows with the ranks. The check runs the learner's file the way a
+two-node job runs it: two ``torchrun`` agents over loopback (:func:`course_lib.launch.commands.torchrun_nodes`), one
+worker each, so global rank 1 is local rank 0 of node 1. Each "node" has one GPU, simulated on the CPU by
+:func:`node_gpus`, so the global-rank bug fails here as it does on a cluster: node 1 has no second GPU.
+
+The program gets its pieces from this module (so that the check can see what it did): :func:`node_gpus` (the GPUs of
+this node), :func:`set_device` (``torch.cuda.set_device``), :class:`YourModel`, :func:`YourDataset` and
+:func:`report`. Run as ``python -m course_lib.exercises.ex04 FILE``, the module runs the learner's file and then says
+whether the process group was left initialised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..data import make_dataset
+from ..models import make_mlp
+from . import NOT_ATTEMPTED, Feedback, passed, wrong
+
+BASE_LR = 0.01          # the seed's learning rate, tuned for one process with batch 32
+PER_RANK_BATCH = 32     # the seed's batch size per rank
+GPUS_PER_NODE_ENV = "COURSE_GPUS_PER_NODE"
+_state = {"set_device_before_init": None}
+
+
+class NodeGPUs:
+    """The GPUs of this node: ``cuda:0`` .. ``cuda:{n-1}``, simulated on the CPU (each is ``torch.device("cpu")``).
+
+    Indexing past the node's GPUs fails as ``torch.cuda.set_device(8)`` fails on an 8-GPU node."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.device:
+        if not 0 <= index < self.count:
+            raise IndexError(f"cuda:{index} does not exist on this node: it has {self.count} GPU(s), "
+                             f"cuda:0..cuda:{self.count - 1} (global rank {os.environ.get('RANK')}, "
+                             f"local rank {os.environ.get('LOCAL_RANK')})")
+        return torch.device("cpu")
+
+
+def node_gpus() -> NodeGPUs:
+    """This node's GPUs: as many as ``$COURSE_GPUS_PER_NODE`` (the check sets 1), else as many as its ranks."""
+    return NodeGPUs(int(os.environ.get(GPUS_PER_NODE_ENV, os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def set_device(device: torch.device) -> None:
+    """``torch.cuda.set_device`` for the simulated GPUs: records whether it came before ``init_process_group``."""
+    _state["set_device_before_init"] = not dist.is_initialized()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def YourModel() -> torch.nn.Module:  # noqa: N802 (the seed's name)
+    """The seed's ``YourModel()``: the course's small classifier, the same weights on every rank."""
+    return make_mlp(seed=0)
+
+
+def YourDataset(n: int = 512):  # noqa: N802 (the seed's name)
+    """The seed's ``YourDataset()``: generated points in 4 classes."""
+    return make_dataset(n, seed=0)
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Print, as JSON, what the check needs to know about this rank's run."""
+    module = getattr(model, "module", model)
+    print(json.dumps({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                      "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
+                      "set_device_before_init": _state["set_device_before_init"]}), flush=True)
+
+
+def _run_file(path: str) -> None:
+    """``python -m course_lib.exercises.ex04 FILE``: run the learner's program, then report what it left behind.
+
+    It ends with ``os._exit``: once DDP has used a Gloo group, Gloo's threads can still be freeing the last
+    all-reduce while Python shuts down, and abort the process (see the recipe's ``main``); the check is about the
+    program, not that race."""
+    import gc
+    program = runpy.run_path(path, run_name="__main__")
+    left = dist.is_available() and dist.is_initialized()
+    print(json.dumps({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left}),
+          flush=True)
+    program.clear()
+    gc.collect()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+REFERENCE = Path(__file__).with_name("seed_ddp_fixed.py")
+
+
+def _run_two_nodes(path) -> tuple[list[dict] | None, str]:
+    """Run ``path`` as 2 nodes x 1 worker; the JSON lines it printed (``None`` when it failed) and its output."""
+    from ..launch.commands import CommandError, json_lines, torchrun_nodes
+    try:
+        nodes = torchrun_nodes("course_lib.exercises.ex04", str(path), nnodes=2, nproc_per_node=1, module=True,
+                               timeout=180, echo=False, env={GPUS_PER_NODE_ENV: "1"})
+    except CommandError as e:
+        return None, e.output
+    return [line for node in nodes for line in json_lines(node.output)], "".join(n.output for n in nodes)
+
+
+_reference_weights: dict[str, str] = {}
+
+
+def check_seed_program(path) -> Feedback:
+    """Run the learner's fixed seed program as two nodes of one GPU each, and name what is still wrong."""
+    path = Path(path)
+    if not path.is_file():
+        return wrong(f"{path} does not exist: run the cell that writes the program first")
+    if "raise NotImplementedError" in path.read_text():
+        return Feedback(NOT_ATTEMPTED, "remove the `raise NotImplementedError` line and fix the program, then run "
+                                       "the check again")
+    lines, output = _run_two_nodes(path)
+    if lines is None:
+        if "does not exist on this node" in output:
+            return wrong("node 1 has one GPU, cuda:0, and its worker asked for the device of its GLOBAL rank, 1. A "
+                         "rank's device is its LOCAL rank: int(os.environ['LOCAL_RANK']), which torchrun sets")
+        tail = "\n".join(output.strip().splitlines()[-6:])
+        return wrong(f"the two-node job failed. Its last lines:\n{tail}")
+    reports = [line for line in lines if line.get("event") == "report"]
+    exits = [line for line in lines if line.get("event") == "exit"]
+    if len(reports) != 2 or len(exits) != 2:
+        return wrong("each of the 2 ranks must reach `ex04.report(model, optimizer)` at the end of training "
+                     f"(got {len(reports)} report(s))")
+    if any(r["set_device_before_init"] is not True for r in reports):
+        return wrong("pick the device (ex04.set_device) BEFORE init_process_group: with NCCL, anything that touches "
+                     "the GPU in between lands on cuda:0 in every rank")
+    if any(e["group_left_initialised"] for e in exits):
+        return wrong("the process group is still initialised when the program ends: call "
+                     "dist.destroy_process_group() at the end")
+    world = reports[0]["world_size"]
+    if any(abs(r["lr"] - BASE_LR * world) > 1e-12 for r in reports):
+        return wrong(f"the global batch is {world} x {PER_RANK_BATCH} = {world * PER_RANK_BATCH}, {world} times the "
+                     f"batch lr={BASE_LR} was tuned for, and the program still uses lr={reports[0]['lr']:g}: scale the "
+                     f"learning rate with the world size (notebook 03's linear rule: {BASE_LR * world:g})")
+    if path.resolve() == REFERENCE.resolve():
+        _reference_weights["reference"] = reports[0]["weights"]
+    if "reference" not in _reference_weights:
+        ref, ref_output = _run_two_nodes(REFERENCE)
+        if ref is None:
+            raise RuntimeError(f"the reference solution failed:\n{ref_output[-2000:]}")
+        _reference_weights["reference"] = next(r["weights"] for r in ref if r.get("event") == "report")
+    if any(r["weights"] != _reference_weights["reference"] for r in reports):
+        return wrong("the job ran, but its final weights differ from the fixed seed program's: did something else "
+                     "change (the model, the data, the sampler, the number of epochs)?")
+    return passed("two nodes of one GPU each: local-rank devices chosen before init, the learning rate scaled for the "
+                  "global batch, the process group destroyed, and the same weights as the reference")
+
+
+if __name__ == "__main__":
+    _run_file(sys.argv[1])

@@ -1,0 +1,57 @@
+"""Why tensor parallelism stays inside a node: its communication per layer, priced by the α-β model.
+
+Per transformer layer and training step, Megatron-style tensor parallelism over t ranks runs **four
+all-reduces** of one activation (batch × seq × hidden values): one after attention and one after the MLP in the
+forward pass, one at the entry of each in the backward pass (:func:`layer_collectives`; the notebook counts them).
+They sit on the critical path: the next layer cannot start before the sum arrives.
+
+The layer's matrix products cost about 2·(4h² + 2·m·h²) FLOPs per token forward (q, k, v, out; up, down with
+an MLP m times wider), plus 4·s·h for the attention scores and their use, and twice that backward
+(:func:`layer_flops`); each of the t ranks does 1/t of it.
+
+The prices come from :mod:`course_lib.comm.costmodel` (notebook 02): a ring inside one NVLink domain, the
+two-level all-reduce (NVLink inside each node, the network between) once t spans nodes.
+"""
+from __future__ import annotations
+
+from ..comm.costmodel import predict, predict_two_level
+
+# Published figures (vendors' data sheets), not measured here. α values are assumptions (as in notebook 02).
+H100_BF16_DENSE_FLOPS = 989e12          # NVIDIA H100 SXM5, bf16 tensor cores, dense
+GPUS_PER_NODE = 8                       # one NVLink domain: the 8 GPUs of an HGX/DGX H100 node
+NVLINK = (2e-6, 1 / 450e9)              # NVLink 4: 900 GB/s per GPU both ways, 450 GB/s per direction; α assumed
+INFINIBAND = (5e-6, 1 / 50e9)           # one 400 Gb/s NDR InfiniBand port per GPU: 50 GB/s per direction; α assumed
+
+
+def layer_collectives(batch: int, seq: int, hidden: int, value_bytes: int = 2) -> list[tuple[str, int, str]]:
+    """The collectives of one layer's forward and backward under tensor parallelism: (kind, bytes, phase)."""
+    act = batch * seq * hidden * value_bytes
+    return [("all-reduce", act, "forward")] * 2 + [("all-reduce", act, "backward")] * 2
+
+
+def layer_flops(batch: int, seq: int, hidden: int, mlp_ratio: int = 4) -> float:
+    """FLOPs of one layer's forward and backward (matrix products only; backward = 2 × forward)."""
+    tokens = batch * seq
+    forward = 2 * tokens * (4 * hidden**2 + 2 * mlp_ratio * hidden**2) + 4 * tokens * seq * hidden
+    return 3 * forward
+
+
+def allreduce_seconds(nbytes: float, tp: int, gpus_per_node: int = GPUS_PER_NODE, intra=NVLINK,
+                      inter=INFINIBAND) -> float:
+    """One all-reduce over ``tp`` GPUs: a ring over NVLink inside a node, two levels across nodes."""
+    if tp <= gpus_per_node:
+        return float(predict("ring", nbytes, tp, *intra))
+    if tp % gpus_per_node:
+        raise ValueError(f"tp={tp} across nodes must be a multiple of {gpus_per_node} GPUs per node")
+    return float(predict_two_level(nbytes, gpus_per_node, tp // gpus_per_node, intra, inter))
+
+
+def layer_time(batch: int, seq: int, hidden: int, tp: int, flops_per_s: float = H100_BF16_DENSE_FLOPS,
+               value_bytes: int = 2, **links) -> dict:
+    """Seconds of compute and of communication for one layer's step on each of ``tp`` GPUs, and the efficiency
+    compute / (compute + communication), counting no overlap between them and compute at the peak rate."""
+    compute = layer_flops(batch, seq, hidden) / tp / flops_per_s
+    comm = sum(allreduce_seconds(nbytes, tp, **links) for _, nbytes, _ in layer_collectives(batch, seq, hidden,
+                                                                                             value_bytes))
+    return {"compute": compute, "comm": comm if tp > 1 else 0.0,
+            "efficiency": compute / (compute + (comm if tp > 1 else 0.0))}

@@ -1,0 +1,133 @@
+"""PyTorch's way: the same splits as :mod:`.blocks`, written as plans for ``parallelize_module``.
+
+A **DeviceMesh** names the ranks and arranges them in dimensions (``init_device_mesh("cpu", (2, 2),
+mesh_dim_names=("dp", "tp"))``: four ranks, a 2×2 grid). A **DTensor** is a tensor spread over a mesh, each
+dimension of the mesh with a *placement*:
+
+* ``Shard(d)``: the tensor is cut along its dimension ``d``; each rank of that mesh dimension holds a piece;
+* ``Replicate()``: each rank holds all of it;
+* ``Partial()``: each rank holds a tensor of the full shape, and the value is their **sum** (a row-parallel
+  layer's output before ``g``).
+
+``redistribute`` moves between placements with the collective it takes: Shard → Replicate is an all-gather,
+Partial → Replicate an all-reduce, Partial → Shard a reduce-scatter, Replicate → Shard a local slice.
+
+``parallelize_module(module, mesh, plan)`` turns the named ``nn.Linear`` layers of ``module`` into DTensor
+layers: ``ColwiseParallel`` (weight ``Shard(0)``: Megatron's column-parallel, with ``f`` at its input),
+``RowwiseParallel`` (weight ``Shard(1)``, output ``Partial`` made ``Replicate``: ``g``), ``SequenceParallel``
+(a LayerNorm on ``Shard(1)`` activations), and ``PrepareModuleInput`` (redistribute a module's input: the
+all-gather before attention or the MLP).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def mlp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
+    """``up`` column-wise, ``down`` row-wise (and, with sequence parallelism, a sequence slice in and out)."""
+    if not sequence_parallel:
+        return {f"{prefix}up": ColwiseParallel(), f"{prefix}down": RowwiseParallel()}
+    return {f"{prefix}up": ColwiseParallel(input_layouts=Shard(1)),   # all-gather the sequence first
+            f"{prefix}down": RowwiseParallel(output_layouts=Shard(1))}  # reduce-scatter to a sequence slice
+
+
+def attention_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
+    """``q``, ``k``, ``v`` column-wise (whole heads per rank), ``out`` row-wise."""
+    plan = {f"{prefix}{name}": ColwiseParallel() for name in ("q", "k", "v")}
+    plan[f"{prefix}out"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+    # The three projections share one input: make it a DTensor once, before them (gathering the sequence
+    # first under sequence parallelism). Their input gradients then add up as one Partial DTensor, reduced
+    # once: one all-reduce backward, like f applied once, instead of one per projection.
+    plan[prefix.rstrip(".")] = PrepareModuleInput(input_layouts=(Shard(1) if sequence_parallel else Replicate(),),
+                                                  desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def block_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
+    """A transformer block: attention and MLP split; with sequence parallelism, the LayerNorms on sequence slices."""
+    plan = {**attention_plan(f"{prefix}attn.", sequence_parallel), **mlp_plan(f"{prefix}mlp.", sequence_parallel)}
+    if sequence_parallel:
+        plan[f"{prefix}ln1"] = SequenceParallel()
+        plan[f"{prefix}ln2"] = SequenceParallel()
+    return plan
+
+
+def transformer_plan(layers: int) -> dict:
+    """Every block of a :class:`~course_lib.models.Transformer` split; embeddings, LayerNorms and head whole."""
+    plan: dict = {}
+    for i in range(layers):
+        plan.update(block_plan(f"blocks.{i}."))
+    return plan
+
+
+def parallelize(module: nn.Module, mesh, plan: dict) -> nn.Module:
+    """``parallelize_module`` (in place; returns ``module``). An empty key means ``module`` itself."""
+    root = {k: v for k, v in plan.items() if k == ""}
+    rest = {k: v for k, v in plan.items() if k != ""}
+    if rest:
+        parallelize_module(module, mesh, rest)
+    if root:
+        parallelize_module(module, mesh, root[""])
+    return module
+
+
+def local(t):
+    """The part of ``t`` this rank holds (``t`` itself when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grad(param):
+    """This rank's part of ``param``'s gradient, in the parameter's own placement.
+
+    A gradient can be left ``Partial`` (each rank holding a partial sum): a LayerNorm's, under sequence
+    parallelism, since each rank saw only its positions. DTensor defers that all-reduce until the value is
+    needed (the optimizer's update asks for it); here it is asked for explicitly.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
+
+
+def full(t):
+    """The whole of ``t``, gathered from every rank that holds a part (``t`` itself when it is not a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def placements_worker(rank: int, world_size: int, rows: int = 4, cols: int = 4) -> dict:
+    """One (rows × cols) tensor, ``arange``, as a DTensor in each placement, and redistributed between them.
+
+    Returns ``{"placements": {label: local part}, "redistribute": {label: (local part, [collectives])}}``: what
+    this rank holds, and which collective each ``redistribute`` ran (recorded by :class:`.comm.CollectiveLog`).
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    from .. import hardware
+    from .comm import CollectiveLog
+
+    device = hardware.rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    whole = torch.arange(float(rows * cols), device=device).view(rows, cols)
+    mine = torch.where(torch.arange(rows * cols, device=device).view(rows, cols) % world_size == rank, whole, 0.0)
+    made = {"Shard(0)": distribute_tensor(whole, mesh, [Shard(0)]),
+            "Shard(1)": distribute_tensor(whole, mesh, [Shard(1)]),
+            "Replicate()": distribute_tensor(whole, mesh, [Replicate()]),
+            "Partial()": DTensor.from_local(mine, mesh, [Partial()])}   # the ranks' parts add up to `whole`
+    moves = {"Shard(0) → Replicate()": ("Shard(0)", Replicate()), "Partial() → Replicate()": ("Partial()", Replicate()),
+             "Partial() → Shard(0)": ("Partial()", Shard(0)), "Replicate() → Shard(1)": ("Replicate()", Shard(1))}
+    out = {"placements": {k: v.to_local().cpu() for k, v in made.items()}, "redistribute": {}}
+    for label, (source, target) in moves.items():
+        with CollectiveLog() as log:
+            moved = made[source].redistribute(mesh, [target]).to_local().cpu()
+        out["redistribute"][label] = (moved, [r.kind for r in log.records])
+    return out

@@ -1,0 +1,81 @@
+"""Sequence parallelism: the parts of a block that tensor parallelism leaves whole, split along the sequence.
+
+Tensor parallelism splits attention and the MLP, but LayerNorm, dropout and the residual additions still run on
+the full (batch, seq, dim) activation on **every** rank: the same work N times, the same activations stored N
+times. Megatron-LM's sequence parallelism (Korthikanti et al., 2022) gives each rank ``seq/N`` positions there.
+LayerNorm and dropout act on each position alone, so a slice of the sequence is all they need.
+
+The all-reduce at each edge becomes its two halves, moving the same bytes:
+
+* entering attention or the MLP: **all-gather** the sequence slices (backward: reduce-scatter),
+* leaving it: **reduce-scatter** the partial sums, each rank keeping its slice (backward: all-gather).
+
+Two things change for the parameters and the random numbers:
+
+* the LayerNorms' weights, and the row-parallel layers' biases, now see only this rank's positions, so their
+  gradients are partial sums: :func:`sync_sequence_parallel_grads` all-reduces them after ``backward()``;
+* dropout on a sequence slice acts on sharded data: each rank must draw its own masks (:mod:`.random`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..models.transformer import Block
+from .blocks import ParallelBlock
+from .operators import gather_sequence, scatter_sequence
+
+
+def sequence_parallel_block(block: Block, group=None, seed: int = 0) -> ParallelBlock:
+    """``block`` split over ``group``: tensor parallel inside, sequence parallel around.
+
+    It takes this rank's slice of the sequence, ``(batch, seq/N, dim)``, and returns the same slice of the output.
+    """
+    return ParallelBlock(block, group, sequence_parallel=True, seed=seed)
+
+
+def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients are partial sums under sequence parallelism."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
+    """All-reduce (sum) the gradients of :func:`sequence_parallel_params` over ``group``; returns how many.
+
+    Call it after ``backward()`` and before the optimizer step (Megatron-LM does it in the same place).
+    """
+    params = [p for p in sequence_parallel_params(module) if p.grad is not None]
+    for p in params:
+        dist.all_reduce(p.grad, group=group)
+    return len(params)
+
+
+def split_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's slice of a (batch, seq, dim) activation every rank holds whole (backward: all-gather)."""
+    return scatter_sequence(x, 1, group)
+
+
+def join_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The whole sequence from every rank's slice, ahead of a *column-parallel* layer (backward: reduce-scatter)."""
+    return gather_sequence(x, 1, group)
+
+
+def activation_worker(rank: int, world_size: int, cfg, sequence_parallel: bool, batch: int = 2,
+                      seed: int = 0) -> list:
+    """The activations one split block keeps for backward on this rank (tensor parallel, with or without
+    sequence parallelism), measured by :func:`course_lib.memory.saved_tensors`."""
+    from .. import hardware
+    from ..memory import saved_tensors
+    from ..models.transformer import Block
+
+    device = hardware.rank_device()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel, seed=seed).to(device)
+    x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
+    if sequence_parallel:
+        x = x.chunk(world_size, 1)[rank].contiguous()
+    x.requires_grad_()
+    _, saved = saved_tensors(block, x, exclude=list(block.parameters()))
+    return saved

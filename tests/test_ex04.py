@@ -1,0 +1,39 @@
+"""Notebook 04's capstone check: the seed program fixed, run as two nodes of one (simulated) GPU each."""
+from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex04
+
+FIXED = ex04.REFERENCE.read_text()
+
+
+def variant(tmp_path, name, *replacements):
+    text = FIXED
+    for old, new in replacements:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def test_the_reference_passes_and_the_stub_is_not_attempted(tmp_path):
+    assert ex04.check_seed_program(ex04.REFERENCE).status == PASSED
+    stub = tmp_path / "stub.py"
+    stub.write_text("raise NotImplementedError\n")
+    assert ex04.check_seed_program(stub).status == NOT_ATTEMPTED
+    assert ex04.check_seed_program(tmp_path / "missing.py").status == WRONG
+
+
+def test_each_seed_bug_is_named(tmp_path):
+    init = 'dist.init_process_group(backend="gloo", init_method="env://")'
+    set_device = "ex04.set_device(device)                                  # before init_process_group"
+    cases = {
+        "global rank as device": (('os.environ["LOCAL_RANK"]', 'os.environ["RANK"]'), "LOCAL rank"),
+        "set_device after init": ((f"{set_device}\n{init}", f"{init}\nex04.set_device(device)"),
+                                  "BEFORE init_process_group"),
+        "never destroyed": (("finally:\n    dist.destroy_process_group()", "finally:\n    pass"), "still initialised"),
+        "lr not scaled": (("lr = ex04.BASE_LR * dist.get_world_size()", "lr = ex04.BASE_LR"),
+                          "scale the learning rate"),
+        "something else changed": (("for epoch in range(3):", "for epoch in range(2):"), "weights differ"),
+    }
+    for name, (replacement, phrase) in cases.items():
+        fb = ex04.check_seed_program(variant(tmp_path, name.replace(" ", "_"), replacement))
+        assert fb.status == WRONG and phrase in fb.message, (name, fb)

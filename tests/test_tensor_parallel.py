@@ -1,0 +1,321 @@
+"""Tensor parallelism on Gloo with real processes: split layers and blocks equal the unsplit ones, on 2 and 4
+ranks; DTensor equals the from-scratch layers; the 2-D mesh trains like one process; the dropout rule holds."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.launch import RankError, run
+from course_lib.models import LMTrainConfig, TransformerConfig, train_reference
+from course_lib.tensor_parallel import column_parallel, row_parallel
+from course_lib.tensor_parallel.check import KINDS, compare_worker, dropout_worker
+from course_lib.tensor_parallel.comm import collectives_worker, ring_steps_and_bytes
+from course_lib.tensor_parallel.training import train_worker
+
+SMALL = TransformerConfig(vocab=16, seq_len=8, dim=16, heads=4, layers=2, hidden=32)
+
+
+def full_linear(in_f, out_f, bias, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Linear(in_f, out_f, bias=bias)
+
+
+def inputs(in_f, out_f, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 5, in_f, generator=g), torch.randn(3, 5, out_f, generator=g)
+
+
+def linear_worker(rank, world_size, in_f, out_f, bias, groups=None):
+    """Column- and row-parallel layers from one full Linear; returns what this rank computed."""
+    group = None
+    if groups:   # every rank creates every group (new_group is collective), then uses its own
+        made = [dist.new_group(ranks) for ranks in groups]
+        group = next(gr for gr, ranks in zip(made, groups) if rank in ranks)
+    full = full_linear(in_f, out_f, bias)
+    x, grad_y = inputs(in_f, out_f)
+    col = column_parallel(full, group)
+    xc = x.clone().requires_grad_()
+    yc = col(xc)
+    yc.backward(grad_y[..., col.shard("bias", torch.arange(out_f))])
+    row = row_parallel(full, group)
+    cols = torch.arange(in_f).chunk(dist.get_world_size(group))[dist.get_rank(group)]
+    xr = x[..., cols].clone().requires_grad_()
+    yr = row(xr)
+    yr.backward(grad_y)
+    grads = lambda m: [m.weight.grad, None if m.bias is None else m.bias.grad]  # noqa: E731
+    return {"group_rank": dist.get_rank(group), "group_size": dist.get_world_size(group),
+            "col": [yc.detach(), xc.grad, *grads(col)], "row": [yr.detach(), xr.grad, *grads(row)]}
+
+
+def expected_linear(in_f, out_f, bias, r, n):
+    """The unsplit layer's results, sliced by hand as rank r of n must hold them."""
+    full = full_linear(in_f, out_f, bias)
+    x, grad_y = inputs(in_f, out_f)
+    rows, cols = torch.arange(out_f).chunk(n)[r], torch.arange(in_f).chunk(n)[r]
+    xf = x.clone().requires_grad_()
+    y = full(xf)
+    y.backward(grad_y)
+    bias_grad = full.bias.grad if bias else None
+    col_w = torch.einsum("bso,bsi->oi", grad_y, x)[rows]
+    col_b = grad_y.sum((0, 1))[rows] if bias else None
+    # every rank's column slice got its slice of grad_y: together, all of it; f sums the input gradients
+    return {"col": [y.detach()[..., rows], xf.grad, col_w, col_b],
+            "row": [y.detach(), xf.grad[..., cols], full.weight.grad[:, cols], bias_grad]}
+
+
+def assert_equal_results(got, want):
+    for name in ("col", "row"):
+        for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), got[name], want[name]):
+            if b is None:
+                assert a is None, f"{name} {what}: expected no bias"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} {what}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_column_and_row_parallel_equal_the_full_linear(world_size, bias, no_leftovers):
+    results = run(linear_worker, world_size, 8, 12, bias, backend="gloo", show_output=False)
+    for r, got in enumerate(results):
+        assert_equal_results(got, expected_linear(8, 12, bias, r, world_size))
+    for got in results[1:]:   # row_parallel returns the same full output on every rank, bit for bit
+        assert torch.equal(got["row"][0], results[0]["row"][0])
+
+
+def test_layers_on_subgroups_use_their_group_rank():
+    groups = [[0, 2], [1, 3]]   # not contiguous: rank 2 is rank 1 of its group
+    results = run(linear_worker, 4, 8, 12, True, groups, backend="gloo", show_output=False)
+    assert [r["group_rank"] for r in results] == [0, 0, 1, 1] and {r["group_size"] for r in results} == {2}
+    for got in results:
+        assert_equal_results(got, expected_linear(8, 12, True, got["group_rank"], 2))
+
+
+def error_worker(rank, world_size):
+    """Every misuse on a rank, and the message it gets."""
+    messages = {}
+    attempts = {
+        "column 3 outputs": lambda: column_parallel(nn.Linear(4, 3)),
+        "row 3 inputs": lambda: row_parallel(nn.Linear(3, 4)),
+        "column wrong width": lambda: column_parallel(nn.Linear(4, 8))(torch.randn(2, 5)),
+        "row wrong width": lambda: row_parallel(nn.Linear(4, 8))(torch.randn(2, 4)),
+        "not a linear": lambda: column_parallel(nn.Conv1d(4, 4, 1)),
+    }
+    pair = dist.new_group([0, 1])
+    if rank >= 2:
+        attempts["not a member"] = lambda: column_parallel(nn.Linear(4, 4), pair)
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except (ValueError, TypeError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+    return messages
+
+
+def test_bad_input_gets_a_clear_error(no_leftovers):
+    messages = run(error_worker, 4, backend="gloo", show_output=False)
+    for m in messages:
+        assert m["column 3 outputs"].startswith("ValueError") and "out_features 3" in m["column 3 outputs"]
+        assert "4 ranks" in m["column 3 outputs"]
+        assert "in_features 3" in m["row 3 inputs"] and "4 ranks" in m["row 3 inputs"]
+        assert "full input, 4 features" in m["column wrong width"] and "(2, 5)" in m["column wrong width"]
+        assert "1 of the 4 features" in m["row wrong width"] and "(2, 4)" in m["row wrong width"]
+        assert m["not a linear"].startswith("TypeError") and "nn.Linear" in m["not a linear"]
+    assert "not a member" in messages[2]["not a member"]
+
+
+def test_without_a_process_group_the_error_says_what_to_do():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="needs a process group"):
+        column_parallel(nn.Linear(4, 4))
+
+
+CASES = [(kind, layout, sp) for kind in KINDS for layout in ("scratch", "dtensor") for sp in (False, True)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mlp_attention_and_block_equal_the_unsplit_ones(world_size, no_leftovers):
+    """Output, input gradient and every parameter's gradient (this rank's slice), from scratch and with DTensor,
+    with and without sequence parallelism."""
+    results = run(compare_worker, world_size, CASES, SMALL, backend="gloo", show_output=False)
+    for rank, per_case in enumerate(results):
+        assert set(per_case) == set(CASES)
+        for case, diffs in per_case.items():
+            kind = case[0]
+            n_params = {"mlp": 4, "attention": 7, "block": 15}[kind]   # k has no bias
+            assert len(diffs) == 2 + n_params, (case, sorted(diffs))
+            worst = max(diffs, key=diffs.get)
+            assert diffs[worst] < 1e-5, f"rank {rank}, {case}: {worst} differs by {diffs[worst]:.2e}"
+
+
+def test_bias_free_blocks_equal_the_unsplit_ones():
+    cases = [("block", layout, sp) for layout in ("scratch", "dtensor") for sp in (False, True)]
+    results = run(compare_worker, 2, cases, SMALL.with_(bias=False), backend="gloo", show_output=False)
+    for per_case in results:
+        for case, diffs in per_case.items():
+            assert len(diffs) == 2 + 10 and max(diffs.values()) < 1e-5, (case, diffs)   # 5 biases fewer
+
+
+def test_heads_must_divide_by_the_ranks():
+    cfg = TransformerConfig(dim=12, heads=3, hidden=12, seq_len=4)
+    with pytest.raises(RankError, match="3 heads do not divide by the 2 ranks"):
+        run(compare_worker, 2, [("attention", "scratch", False)], cfg, backend="gloo", show_output=False)
+
+
+def test_dtensor_issues_the_same_collectives_as_the_scratch_layers():
+    cases = [case for case in CASES if case[0] != "attention"]
+    logs = run(collectives_worker, 2, cases, SMALL, backend="gloo", show_output=False)[0]
+    act = 2 * SMALL.seq_len * SMALL.dim * 4                          # one (batch, seq, dim) float32 activation
+    assert logs["mlp", "scratch", False] == [("all-reduce", act, "forward"), ("all-reduce", act, "backward")]
+    two_each = [("all-reduce", act, "forward")] * 2 + [("all-reduce", act, "backward")] * 2
+    assert logs["block", "scratch", False] == two_each
+    sp_pass = [("all-gather", act), ("reduce-scatter", act)] * 2
+    assert logs["block", "scratch", True] == [(*c, "forward") for c in sp_pass] + [(*c, "backward") for c in sp_pass]
+    for kind in ("mlp", "block"):
+        for sp in (False, True):
+            assert logs[kind, "dtensor", sp] == logs[kind, "scratch", sp], (kind, sp)
+    # the all-gather and the reduce-scatter together send what the all-reduce did
+    ar = ring_steps_and_bytes("all-reduce", act, 4)[1]
+    assert ring_steps_and_bytes("all-gather", act, 4)[1] + ring_steps_and_bytes("reduce-scatter", act, 4)[1] == ar
+
+
+TRAIN = LMTrainConfig(model=SMALL.with_(seq_len=16, dim=32, hidden=64), steps=4, batch_size=8, n=64,
+                      optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.parametrize("layout, world_size", [("tp", 2), ("dtensor", 2), ("2d", 4)])
+def test_training_split_equals_one_process(layout, world_size, no_leftovers):
+    reference = train_reference(TRAIN)
+    results = run(train_worker, world_size, TRAIN, layout, 2, reference["state"], backend="gloo",
+                  show_output=False)
+    for r in results:
+        assert r["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    if layout == "tp":
+        assert all(r["max_diff"] < 1e-6 for r in results)
+    else:
+        state = results[0]["state"]
+        assert state.keys() == reference["state"].keys()
+        for k, v in state.items():
+            torch.testing.assert_close(v, reference["state"][k], rtol=1e-5, atol=1e-6, msg=k)
+    if layout == "2d":   # TP halves the split weights' rows, FSDP2 halves them again; the rest is halved once
+        up = (TRAIN.model.hidden, TRAIN.model.dim)
+        assert all(r["shapes"]["blocks.0.mlp.up.weight"] == (up[0] // 4, up[1]) for r in results)
+        assert all(r["shapes"]["tok_emb.weight"] == (TRAIN.model.vocab // 2, TRAIN.model.dim) for r in results)
+    if layout != "tp":   # the first step's gradients, gathered whole
+        for k, grad in results[0]["first_grads"].items():
+            torch.testing.assert_close(grad, reference["first_grads"][k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_2d_run_with_adamw_gives_the_same_losses_and_learns():
+    cfg = TRAIN.with_(optimizer="adamw", lr=1e-2, steps=10, batch_size=16, n=128)
+    reference = train_reference(cfg)
+    results = run(train_worker, 4, cfg, "2d", backend="gloo", show_output=False)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert sum(reference["losses"][-3:]) < sum(reference["losses"][:3]) - 0.15
+    # Adam turns rounding noise in near-zero gradients into visible steps: equal to ~1e-5, not ~1e-8
+    assert max((results[0]["state"][k] - v).abs().max().item() for k, v in reference["state"].items()) < 1e-4
+
+
+def test_dropout_rule_replicated_masks_agree_sharded_masks_differ(no_leftovers):
+    right = run(dropout_worker, 2, 0.5, True, True, backend="gloo", show_output=False)
+    assert all(torch.equal(a, b) for a, b in zip(right[0]["replicated"], right[1]["replicated"]))
+    assert torch.equal(right[0]["output"], right[1]["output"])          # every rank holds the same block output
+    assert not torch.equal(right[0]["sharded"], right[1]["sharded"])     # each rank's heads: masks of their own
+    kept = torch.cat([r["sharded"].float().flatten() for r in right]).mean().item()
+    assert 0.4 < kept < 0.8   # about half dropped (plus the causal zeros, which count as kept)
+
+    shared = run(dropout_worker, 2, 0.5, True, False, backend="gloo", show_output=False)
+    assert torch.equal(shared[0]["sharded"], shared[1]["sharded"])     # one generator: rank 1's heads copy rank 0's
+    apart = run(dropout_worker, 2, 0.5, False, True, backend="gloo", show_output=False)
+    assert not torch.equal(apart[0]["output"], apart[1]["output"])     # different seeds: the copies drift apart
+
+
+def test_sequence_parallelism_shards_the_layernorm_and_dropout_activations():
+    from course_lib.tensor_parallel.sequence import activation_worker
+    b, s, d, n = 2, SMALL.seq_len, SMALL.dim, 2
+    kept = {sp: run(activation_worker, n, SMALL, sp, backend="gloo", show_output=False)[0] for sp in (False, True)}
+    stats = lambda saved, seq: [x for x in saved if x.shape == (b, seq, 1)]  # noqa: E731  LayerNorm mean, 1/std
+    assert len(stats(kept[False], s)) == 4 and stats(kept[True], s) == [] and len(stats(kept[True], s // n)) == 4
+    total = {sp: sum(x.nbytes for x in saved) for sp, saved in kept.items()}
+    # the two LayerNorms' inputs (b, s, d) and statistics (4 of (b, s)) shrink to s/N positions; nothing else changes
+    assert total[False] - total[True] == (n - 1) / n * (2 * b * s * d + 4 * b * s) * 4
+    with_dropout = run(activation_worker, n, SMALL.with_(dropout=0.1), True, backend="gloo", show_output=False)[0]
+    masks = [x for x in with_dropout if x.dtype == "bool" and x.shape == (b, s // n, d)]
+    assert len(masks) == 2   # the residual dropouts' masks: a sequence slice each
+
+
+def test_saved_tensors_counts_each_storage_once_and_skips_parameters():
+    from course_lib.memory import saved_bytes, saved_tensors
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    _, saved = saved_tensors(lambda t: torch.tanh(lin(t)), x, exclude=list(lin.parameters()))
+    assert sorted(s.nbytes for s in saved) == [4 * 8 * 4] * 2   # the input (for the weight grad), tanh output
+    assert saved_bytes(lambda t: (t * t).sum(), x) == 4 * 8 * 4           # x saved twice, one storage
+
+
+def test_pictures_show_who_holds_what():
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.tensor_parallel.dtensor import placements_worker
+    from course_lib.tensor_parallel.training import holdings_worker
+    from course_lib.viz.tensor_parallel import draw_holdings, draw_local_parts, draw_matmul_split, holders
+
+    for kind in ("column", "row"):
+        texts = [t.get_text() for t in draw_matmul_split(kind, 2).axes[0].texts]
+        assert "r0" in texts and "r1" in texts
+    with pytest.raises(ValueError, match="column"):
+        draw_matmul_split("diagonal")
+    parts = run(placements_worker, 2, backend="gloo", show_output=False)
+    whole = torch.arange(16.0).view(4, 4)
+    assert torch.equal(torch.cat([p["placements"]["Shard(0)"] for p in parts]), whole)
+    assert torch.equal(torch.cat([p["placements"]["Shard(1)"] for p in parts], 1), whole)
+    assert torch.equal(sum(p["placements"]["Partial()"] for p in parts), whole)
+    moves = parts[0]["redistribute"]
+    assert [moves[k][1] for k in moves] == [["all-gather"], ["all-reduce"], ["reduce-scatter"], []]
+    assert torch.equal(moves["Partial() → Replicate()"][0], whole)
+    fig = draw_local_parts({"Shard(0)": ("Shard", [p["placements"]["Shard(0)"] for p in parts])})
+    assert [t.get_text() for t in fig.axes[1].texts][:4] == ["8", "9", "10", "11"]
+
+    cfg = LMTrainConfig(model=TransformerConfig(vocab=8, seq_len=8, dim=4, heads=2, layers=1, hidden=8))
+    names = ["blocks.0.mlp.up.weight", "blocks.0.mlp.down.weight", "tok_emb.weight"]
+    held = run(holdings_worker, 4, cfg, names, backend="gloo", show_output=False)
+    weights = {n: (held[0][n][0], [h[n][1] for h in held]) for n in names}
+    up = holders(weights[names[0]][1], 32)               # (8, 4): TP splits the rows, FSDP2 each half again
+    assert [up[4 * row][0] for row in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    down = holders(weights[names[1]][1], 32)             # (4, 8): TP splits the columns, FSDP2 the rows
+    assert [down[i] for i in (0, 4, 16, 20)] == [[0], [1], [2], [3]]
+    assert all(h in ([0, 1], [2, 3]) for h in holders(weights[names[2]][1], 32))   # FSDP2 only: pairs share
+    assert len(draw_holdings(weights).axes) == 4
+
+
+def test_the_benchmark_worker_times_both_versions():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tp_vs_dtensor.py")
+    spec = importlib.util.spec_from_file_location("tp_vs_dtensor", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = run(bench.worker, 2, 32, 256, 2, 1, backend="gloo", show_output=False)[0]
+    assert set(times) == {"from scratch", "parallelize_module"} and all(t > 0 for t in times.values())
+
+
+def test_the_cost_model_counts_what_the_layers_send_and_prices_nodes_with_two_levels():
+    from course_lib.comm import costmodel
+    from course_lib.tensor_parallel import cost
+    # what section 4 of the notebook counts on real ranks, in bf16 at GPT-3 size
+    assert cost.layer_collectives(1, 2048, 12288) == [("all-reduce", 2048 * 12288 * 2, p)
+                                                      for p in ("forward", "forward", "backward", "backward")]
+    # forward: 2 FLOPs per multiply-add, 4h² (q, k, v, out) + 8h² (MLP) per token, 4·s·h for the attention
+    h, s = 64, 32
+    assert cost.layer_flops(1, s, h) == 3 * (2 * s * 12 * h * h + 4 * s * s * h)
+    act = 2048 * 12288 * 2
+    assert cost.allreduce_seconds(act, 8) == pytest.approx(costmodel.predict("ring", act, 8, *cost.NVLINK))
+    assert cost.allreduce_seconds(act, 16) == pytest.approx(
+        costmodel.predict_two_level(act, 8, 2, cost.NVLINK, cost.INFINIBAND))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cost.allreduce_seconds(act, 12)
+    one, eight = cost.layer_time(1, 2048, 12288, 1), cost.layer_time(1, 2048, 12288, 8)
+    assert one["comm"] == 0 and one["efficiency"] == 1
+    assert eight["compute"] == pytest.approx(one["compute"] / 8)
+    assert eight["efficiency"] == pytest.approx(eight["compute"] / (eight["compute"] + eight["comm"]))
