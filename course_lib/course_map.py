@@ -50,9 +50,11 @@ NOTEBOOKS: list[Notebook] = [
              "the seed program fixed; torchrun; resume; multi-node and SLURM; NCCL variables; bf16; bus bandwidth", 2,
              "partial", 55),
     Notebook("05_model_parallel.ipynb", "Manual model parallelism",
-             "training memory arithmetic; layers split across cuda:0/cuda:1; the idle problem", 2, "partial", 10),
+             "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
+             "partial", 10),
     Notebook("06_pipeline_schedules.ipynb", "Pipeline schedules",
-             "stages as processes; GPipe and 1F1B; the bubble, measured; activation memory", 0, "full", 25),
+             "stages as processes; GPipe and 1F1B (you write it); the bubble, measured; torch.distributed.pipelining, "
+             "interleaved 1F1B", 0, "full", 40),
     Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
     Notebook("08_sharded_data_parallel.ipynb", "Sharded data parallelism: ZeRO and FSDP2",
