@@ -11,7 +11,7 @@ The layers, each using only those above it:
 ``comm/``                 collectives' meaning, all-reduce from scratch, the α-β cost model
 ``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
 ``model_parallel/``       layers split across devices in one process
-``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes
+``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining
 ``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
 ``memory/``               the bytes training needs, predicted and measured: activations, recomputation,
                           accumulation, the layout calculator
@@ -34,8 +34,9 @@ Notebook → the modules it shows and uses:
   ``viz.training``, ``exercises.ex03``
 * 04 DDP with NCCL and torchrun: ``recipes.train_ddp``, ``launch.commands``, ``data_parallel.measure``,
   ``comm.costmodel``
-* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``)
-* 06 pipeline schedules: ``pipeline_parallel``, ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``)
+* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex05``
+* 06 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
+  ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex06``
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
 * 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
   ``fsdp2``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),

@@ -124,6 +124,29 @@ def _nccl_smoke(world_size: int) -> Check:
                   "rerun with NCCL_DEBUG=INFO; in Docker use --ipc=host (or --shm-size) and --gpus all")
 
 
+def _slurm(found) -> Check:
+    """Can the SLURM batch script be tried here? (Notebook 04 submits it where a controller answers.)
+    ``found``: what :func:`course_lib.launch.slurm.probe` saw."""
+    from .launch.slurm import LOCAL_CLUSTER
+    if found is None:
+        return Check("SLURM", INFO, "absent: notebook 04 shows the batch script's commands instead of running them; "
+                     f"to try them on this machine (Debian/Ubuntu, root): {LOCAL_CLUSTER}")
+    if found.name is None:
+        return Check("SLURM", WARN, f"{found.version}, but no controller answers ({found.error})",
+                     f"start slurmctld and slurmd, or a local cluster: {LOCAL_CLUSTER}")
+    nodes = ", ".join(f"{n} {state}" for n, state in found.nodes.items()) or "no nodes"
+    return Check("SLURM", OK, f"{found.version}, cluster {found.name!r}: {nodes}")
+
+
+def _slurm_here() -> Check:
+    # the launch package needs cloudpickle, which may be what is missing
+    try:
+        from .launch import slurm
+    except ImportError as e:
+        return Check("SLURM", INFO, f"not checked ({e})")
+    return _slurm(slurm.probe())
+
+
 def checks(smoke: bool = True) -> list[Check]:
     """Every check, in the order they are printed."""
     v = hardware.versions()
@@ -147,6 +170,7 @@ def checks(smoke: bool = True) -> list[Check]:
                      "2+ cores make the multi-rank timings meaningful"))
     out.append(_shm(shm_mib()))
     out.append(_notebooks())
+    out.append(_slurm_here())
     if smoke and b["gloo"]:
         out.append(_gloo_smoke())
     return out

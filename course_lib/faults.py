@@ -170,16 +170,20 @@ class RunsCodeWhenLoaded:
 # ---- pitfalls ------------------------------------------------------------------------------------------------
 
 def seeds_worker(rank, world_size):
-    """Same seed everywhere vs. seed + rank: for augmentation noise and for model initialisation."""
+    """A model built from a seed of each rank's own, then wrapped in DDP; augmentation noise drawn from one seed and
+    from seed + rank. Returns a fingerprint (the first layer's weight sum) of the model before and after DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from .models import make_mlp
+    model = make_mlp(seed=100 + rank)                     # a different initialisation on every rank
+    before = model[0].weight.sum().item()
+    after = DDP(model).module[0].weight.sum().item()      # DDP's constructor broadcasts rank 0's parameters
     torch.manual_seed(0)
-    noise_same = torch.rand(3)
+    noise_same_seed = torch.rand(3)
     torch.manual_seed(0 + rank)
-    noise_per_rank = torch.rand(3)
-    init_same = make_mlp(seed=0)[0].weight.sum().item()
-    init_per_rank = make_mlp(seed=rank)[0].weight.sum().item()
-    return {"noise_same": noise_same.tolist(), "noise_per_rank": noise_per_rank.tolist(),
-            "init_same": init_same, "init_per_rank": init_per_rank}
+    noise_seed_plus_rank = torch.rand(3)
+    return {"init_before_ddp": before, "init_after_ddp": after, "noise_same_seed": noise_same_seed.tolist(),
+            "noise_seed_plus_rank": noise_seed_plus_rank.tolist()}
 
 
 def loss_logging_worker(rank, world_size):
@@ -202,13 +206,14 @@ def port_in_use_worker(rank, world_size, busy_port: int):
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=10))
 
 
-def matmul_worker(rank, world_size, n: int = 384, reps: int = 60) -> float:
-    """Seconds for ``reps`` n-by-n matrix products with this rank's thread count."""
+def matmul_worker(rank, world_size, n: int = 384, reps: int = 60) -> dict:
+    """``reps`` n-by-n matrix products with this rank's thread count: the wall-clock seconds, and the CPU seconds
+    all of this rank's threads spent (``time.process_time``)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     for _ in range(5):
         a @ b
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(reps):
         a @ b
-    return time.perf_counter() - t0
+    return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - cpu0}

@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+RECIPE = "course_lib.recipes.train_ddp"
+RECIPE_ARGS = ("--epochs", "3", "--samples", "600", "--hidden", "32")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted():
+    """The recipe's summary for ``RECIPE_ARGS`` on 2 ranks of one torchrun: the weights that a resumed, restarted,
+    two-node or SLURM run of the same job must end with."""
+    from course_lib.launch.commands import json_lines, torchrun
+    out = torchrun(RECIPE, *RECIPE_ARGS, nproc_per_node=2, module=True, echo=False, timeout=300)
+    return json_lines(out.output)[-1]
+
+
 @pytest.fixture(scope="session")
 def warm():
     """Start the launcher's forkserver once, so process counts below are not disturbed by it."""

@@ -1,10 +1,12 @@
 """The preflight: its checks, its notebook table, and its exit code."""
+import shutil
 import subprocess
 import sys
 
 from conftest import env_with_path
 
 from course_lib import course_map, doctor
+from course_lib.launch import slurm
 
 
 def test_preflight_passes_here_and_exits_zero():
@@ -23,6 +25,18 @@ def test_preflight_fails_with_the_fix_when_something_is_missing(tmp_path):
     assert out.returncode == 1
     assert "[FAIL] cloudpickle: missing" in out.stdout and "fix: pip install -e '.[test]'" in out.stdout
     assert "NOT READY" in out.stdout
+
+
+def test_slurm_line_says_whether_the_batch_script_can_be_tried_here():
+    absent = doctor._slurm(None)
+    assert absent.status == doctor.INFO and "sudo bash tests/slurm/local-cluster.sh start" in absent.detail
+    silent = doctor._slurm(slurm.Cluster("slurm-wlm 22.05.8", error="Unable to contact slurm controller"))
+    assert silent.status == doctor.WARN and "no controller answers" in silent.detail
+    assert "local-cluster.sh" in silent.fix
+    up = doctor._slurm(slurm.Cluster("slurm-wlm 22.05.8", "course", {"n1": "idle", "n2": "idle"}))
+    assert up.status == doctor.OK and "cluster 'course': n1 idle, n2 idle" in up.detail
+    here = doctor._slurm(slurm.probe())                 # what this machine has: a line either way
+    assert (here.status == doctor.INFO) == (shutil.which("sbatch") is None)
 
 
 def test_small_shm_is_a_failure_with_the_docker_fix():

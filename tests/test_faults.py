@@ -84,9 +84,11 @@ def test_weights_only_refuses_a_pickle_that_runs_code(tmp_path, capsys):
 def test_pitfall_demos_show_what_they_claim():
     seeds = run(faults.seeds_worker, 3, backend="gloo", show_output=False)
     distinct = lambda key: len({str(s[key]) for s in seeds})  # noqa: E731
-    assert distinct("noise_same") == 1 and distinct("noise_per_rank") == 3
-    assert distinct("init_same") == 1 and distinct("init_per_rank") == 3
+    assert distinct("noise_same_seed") == 1 and distinct("noise_seed_plus_rank") == 3
+    assert distinct("init_before_ddp") == 3 and distinct("init_after_ddp") == 1
+    assert all(s["init_after_ddp"] == seeds[0]["init_before_ddp"] for s in seeds)
     losses = run(faults.loss_logging_worker, 4, backend="gloo", show_output=False)
     mean = sum(loss["local"] for loss in losses) / 4
     assert all(abs(loss["mean"] - mean) < 1e-6 for loss in losses) and len({loss["local"] for loss in losses}) == 4
-    assert all(t > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo", show_output=False))
+    assert all(t["wall"] > 0 and t["cpu"] > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo",
+                                                             show_output=False))

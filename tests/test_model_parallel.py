@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from course_lib import memory
-from course_lib.model_parallel import PipelinedSplit, same_outputs_and_grads, split_model
+from course_lib.model_parallel import PipelinedSplit, overlapped, same_outputs_and_grads, split_model, timed_forward
 from course_lib.models import mlp
 from course_lib.viz.widgets import MemoryCalculator
 
@@ -127,3 +127,24 @@ def test_timeline_on_a_gpu_comes_from_cuda_events_without_stopping_the_queue():
     if split.devices[0] == split.devices[1]:                          # one queue: parts strictly one after another
         spans = sorted((s, e) for _, _, s, e in timeline)
         assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def test_timed_forward_on_the_cpu_runs_the_parts_one_after_another():
+    piped = PipelinedSplit(split_model(deep_mlp(width=64), [2, 4], ["cpu"] * 3), 4)
+    r = timed_forward(piped, torch.randn(64, 64))
+    assert [[(op, i) for op, i, *_ in part] for part in r["timeline"]] == [[("F", i) for i in range(4)]] * 3
+    assert min(start for part in r["timeline"] for _, _, start, _ in part) == 0
+    assert not overlapped(r["timeline"])
+    assert 0 < r["issued"] <= r["wall"] and r["wall"] - r["issued"] < 0.05   # a CPU has nothing left to do
+    assert overlapped([[("F", 0, 0.0, 2.0)], [("F", 0, 1.0, 3.0)]])
+    assert not overlapped([[("F", 0, 0.0, 1.0)], [("F", 0, 1.0, 2.0)]])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_host_issues_the_work_long_before_the_gpu_has_done_it():
+    model = mlp([4096] * 5, nn.Tanh, last_activation=True, seed=0)   # a part: 2 products of 1024 x 4096 x 4096
+    piped = PipelinedSplit(split_model(model, [4], ["cuda:0", "cuda:1"], verbose=False), 4)
+    r = timed_forward(piped, torch.randn(4096, 4096, device=piped.split.devices[0]))
+    assert r["issued"] < r["wall"] / 2                       # the Python loop ran ahead of the GPU(s)
+    if piped.split.devices[0] == piped.split.devices[1]:    # one GPU: one queue, the parts cannot overlap
+        assert not overlapped(r["timeline"])

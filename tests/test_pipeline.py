@@ -45,13 +45,23 @@ def test_real_pipeline_gradients_equal_the_unsplit_model(kind, stages, micro_bat
     for ref, g in zip(full.parameters(), got):
         torch.testing.assert_close(g, ref.grad, atol=1e-6, rtol=1e-5)
     assert [r["peak_in_flight"] for r in res] == P.peak_in_flight(kind, stages, micro_batches)
-    ran = [[(op, i) for op, i, _, _ in r["timeline"]] for r in res]
+    ran = [[(op, i) for op, i, *_ in r["timeline"]] for r in res]
+    assert all(s == rank and 0 < cpu and a < b for rank, r in enumerate(res) for _, _, s, cpu, a, b in r["timeline"])
     assert ran == P.schedule(kind, stages, micro_batches)          # the ops ran in schedule order
 
 
-def test_measured_bubble_of_a_real_run_is_sensible():
-    res = run(P.pipeline_worker, 2, "gpipe", 1, 256, 256, 2, backend="gloo", threads=1, show_output=False)
-    assert 0.4 < P.measured_bubble(res) < 0.6   # one micro-batch: each stage idles about half the time
+def test_measured_bubble_counts_the_idle_share_of_the_wall_clock():
+    # two ranks, one micro-batch: F on rank 0 [0, 1], F and B on rank 1 [1, 2] and [2, 4], B on rank 0 [4, 6]
+    results = [{"timeline": [("F", 0, 0, 1.0, 0.0, 1.0), ("B", 0, 0, 2.0, 4.0, 6.0)]},
+               {"timeline": [("F", 0, 1, 1.0, 1.0, 2.0), ("B", 0, 1, 2.0, 2.0, 4.0)]}]
+    assert P.measured_bubble(results) == pytest.approx(0.5)          # 6 of 2 x 6 units computing
+    assert P.replayed(results)["bubble"] == pytest.approx(0.5)
+
+
+def test_a_real_run_replayed_with_its_cpu_times_idles_as_the_formula_says():
+    """On the wall clock a loaded machine distorts the bubble; the ops' CPU times played again do not."""
+    res = run(P.pipeline_worker, 2, "1f1b", 4, 512, 256, 2, backend="gloo", threads=1, show_output=False)
+    assert P.replayed(res)["bubble"] == pytest.approx(P.bubble_formula(2, 4), abs=0.05)
 
 
 def test_explorer_and_picture():
@@ -62,3 +72,18 @@ def test_explorer_and_picture():
     assert ex.state["bubble"] == pytest.approx(3 / 5) and ex.state["peak_in_flight"] == [2, 2, 2, 1]
     fig = viz.draw_pipeline(P.simulate("gpipe", 2, 2)["times"], "t")
     assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(["F0", "F1", "B1", "B0"] * 2)
+
+
+def test_simulate_plan_runs_any_plan_and_names_who_waits_for_what():
+    assert P.simulate_plan(P.schedule("1f1b", 3, 5)) == P.simulate("1f1b", 3, 5)
+    with pytest.raises(RuntimeError, match=r"stage 0 waits for stage 1's B0 \(which is not in stage 1's schedule\)"):
+        P.simulate_plan([[("F", 0), ("B", 0)], [("F", 0)]])
+    with pytest.raises(RuntimeError, match="stage 1 waits for its own F0 before its B0"):
+        P.simulate_plan([[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]])
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 8), (4, 8), (3, 5)])
+def test_bubble_overhead_is_idle_over_compute(stages, micro_batches):
+    b = P.bubble_formula(stages, micro_batches)
+    assert P.bubble_overhead(stages, micro_batches) == pytest.approx(b / (1 - b))
+    assert P.bubble_overhead(stages, micro_batches, chunks=2) == pytest.approx(b / (1 - b) / 2)

@@ -2,22 +2,19 @@
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import RECIPE
+from conftest import RECIPE_ARGS as ARGS
 
 from course_lib.launch.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
 from course_lib.recipes import train_ddp
 
-RECIPE = "course_lib.recipes.train_ddp"
-ARGS = ("--epochs", "3", "--samples", "600", "--hidden", "32")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted():
-    out = torchrun(RECIPE, *ARGS, nproc_per_node=2, module=True, echo=False, timeout=300)
-    return json_lines(out.output)[-1]
+CRASH_JOBS = int(os.environ.get("COURSE_CRASH_JOBS", "10"))   # two-node crash-and-restart jobs (10 in CI)
 
 
 def test_recipe_trains_under_torchrun_with_gloo_on_cpu(uninterrupted):
@@ -60,6 +57,47 @@ def test_two_nodes_over_loopback_equal_one_node_with_two_ranks(uninterrupted):
     if uninterrupted["backend"] == "gloo":
         assert summary["weights"] == uninterrupted["weights"]
     assert json_lines(nodes[1].output) == []  # only global rank 0 prints the summary
+
+
+def _two_node_crash_job(ckpt_dir: str) -> dict:
+    """Rank 1 (the second "node") SIGKILLs itself half-way through epoch 2; torchrun may restart 3 times."""
+    nodes = torchrun_nodes(RECIPE, *ARGS, "--backend", "gloo", "--checkpoint", os.path.join(ckpt_dir, "snap.pt"),
+                           "--crash-at-epoch", "2", nnodes=2, nproc_per_node=1, module=True, echo=False, timeout=120,
+                           torchrun_args=("--max-restarts=3",))
+    out = "".join(n.output for n in nodes)
+    return {"killed": "killing myself" in out, "resumed": "resumed from" in out,
+            "weights": json_lines(nodes[0].output)[-1]["weights"]}
+
+
+def test_a_killed_rank_on_two_loopback_nodes_is_recovered_every_time(uninterrupted):
+    """Each "node" is a torchrun agent that counts its own restarts: the job must still meet again after a crash.
+    (With the store shared across restarts and per-attempt keys, 4 of 5 such jobs hung until killed.)"""
+    def job(_):
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                return _two_node_crash_job(tmp)
+            except CommandError as e:
+                return {"error": str(e)[-600:]}
+    with ThreadPoolExecutor(2) as pool:                    # two jobs at a time: 2 cores, 4 processes
+        results = list(pool.map(job, range(CRASH_JOBS)))
+    good = [r for r in results if r.get("weights") == uninterrupted["weights"] and r["killed"] and r["resumed"]]
+    assert len(good) == CRASH_JOBS, f"{len(good)} of {CRASH_JOBS} recovered: {[r for r in results if r not in good]}"
+
+
+def test_restarts_with_a_store_shared_across_restarts_are_refused_at_once():
+    with pytest.raises(SystemExit, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        train_ddp.check_restarts({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    train_ddp.check_restarts({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"})
+    train_ddp.check_restarts({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    train_ddp.check_restarts({})                           # not under torchrun (launch_env says so)
+
+
+def test_torchrun_helpers_ask_for_a_fresh_store_per_restart():
+    """What torch tells the workers: a store shared by all restart rounds by default, a fresh one with the helpers."""
+    fresh = json_lines(torchrun("course_lib.recipes.whoami", nproc_per_node=1, module=True, echo=False).output)[0]
+    shared = json_lines(torchrun("course_lib.recipes.whoami", nproc_per_node=1, module=True, echo=False,
+                                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}).output)[0]
+    assert fresh["TORCHELASTIC_USE_AGENT_STORE"] == "False" and shared["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 def test_no_launcher_fails_at_once_with_the_command_to_use():

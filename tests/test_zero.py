@@ -251,6 +251,9 @@ def test_memory_calculator_has_a_zero_stage_and_a_world_size():
     assert calc.state["breakdown"]["total"] == 7e9 * 16 / 8 and calc.state["fits"]
     calc.zero_stage.value = 1
     assert calc.state["breakdown"]["optimizer states"] == 7e9 * 8 / 8 and calc.state["fits"]
+    assert "ZeRO-1, 8 GPUs" in calc.out.value           # every control changes what is shown
+    calc.world_size.value = 1
+    assert "not sharded" not in calc.out.value and "1 GPU:" in calc.out.value
 
 
 def test_pictures_follow_each_stage():

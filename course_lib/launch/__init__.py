@@ -5,6 +5,7 @@
 * :mod:`.worker`: the rank's side, what each process does (what ``torchrun`` does for every worker).
 * :mod:`.errors`: the exceptions :func:`run` raises, and a rank's traceback pointed back at the cell.
 * :mod:`.commands`: commands and ``torchrun`` jobs from a cell that fail the cell when they fail.
+* :mod:`.slurm`: a SLURM batch job from a cell (submit, wait, its output), that fails the cell when it fails.
 
 ``from course_lib.launch import run`` is all most notebooks need.
 """

@@ -128,6 +128,11 @@ def _stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
             return
 
 
+# torchrun's agent keeps one rendezvous store for all restart rounds unless told otherwise, and restarted workers
+# then read the dead round's keys: every launch here asks for a fresh store per round (train_ddp.check_restarts).
+FRESH_STORE_PER_RESTART = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def _check_launch(target: str, module: bool, cwd: str | None, **counts) -> None:
     """Refuse at once what torchrun would only refuse after starting its workers."""
     for name, value in counts.items():
@@ -153,20 +158,22 @@ def torchrun(target: str, *script_args, nproc_per_node: int = 2, module: bool = 
         args.append("--standalone")
     args += [f"--nproc-per-node={nproc_per_node}", "--tee=3", *torchrun_args]
     args += (["-m", target] if module else [target]) + [str(a) for a in script_args]
-    return run_command(args, timeout=timeout, env=env, cwd=cwd, echo=echo)
+    return run_command(args, timeout=timeout, env={**FRESH_STORE_PER_RESTART, **(env or {})}, cwd=cwd, echo=echo)
 
 
 def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: int = 1, module: bool = False,
-                   rendezvous: str = "c10d", timeout: float = 300, env: dict | None = None, cwd: str | None = None,
-                   echo: bool = True) -> list[Completed]:
+                   rendezvous: str = "c10d", torchrun_args: tuple[str, ...] = (), timeout: float = 300,
+                   env: dict | None = None, cwd: str | None = None, echo: bool = True) -> list[Completed]:
     """Simulate a multi-node job on this machine: one torchrun per "node", meeting over loopback.
 
     ``rendezvous="c10d"``: each gets ``--nnodes``, its own ``--node-rank`` and the same c10d rendezvous
     endpoint (``127.0.0.1:<free port>``), exactly as on ``nnodes`` real machines sharing a head node's
     address.  ``rendezvous="static"``: the older form, ``--master-addr``/``--master-port`` and a
-    ``--node-rank`` that must be given, no restarts of single nodes.
+    ``--node-rank`` that must be given, no restarts of single nodes.  ``torchrun_args`` go to every
+    torchrun (e.g. ``("--max-restarts=3",)``).  The "nodes" share this machine's cores: each worker gets
+    ``OMP_NUM_THREADS`` = cores / workers (unless set), as torchrun does for the workers of one node.
     """
-
+    from ..hardware import cpu_count
     _check_launch(target, module, cwd, nnodes=nnodes, nproc_per_node=nproc_per_node)
     if rendezvous not in ("c10d", "static"):
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
@@ -176,10 +183,11 @@ def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: i
     commands = []
     for node in range(nnodes):
         args = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
-                f"--nproc-per-node={nproc_per_node}", *meet, "--tee=3"]
+                f"--nproc-per-node={nproc_per_node}", *meet, "--tee=3", *torchrun_args]
         commands.append(args + (["-m", target] if module else [target]) + [str(a) for a in script_args])
-    return run_commands(commands, labels=[f"[node {n}]" for n in range(nnodes)], timeout=timeout, env=env,
-                        cwd=cwd, echo=echo)
+    threads = os.environ.get("OMP_NUM_THREADS", max(1, cpu_count() // (nnodes * nproc_per_node)))
+    return run_commands(commands, labels=[f"[node {n}]" for n in range(nnodes)], timeout=timeout,
+                        env={**FRESH_STORE_PER_RESTART, "OMP_NUM_THREADS": threads, **(env or {})}, cwd=cwd, echo=echo)
 
 
 def json_lines(output: str) -> list[dict]:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ..hardware import map_device
+from ..hardware import map_device, synchronize
 
 
 class SplitModel(nn.Module):
@@ -124,6 +124,39 @@ class PipelinedSplit(nn.Module):
         # issue every micro-batch's forward; with separate GPUs the parts overlap, on one device they queue
         outs = [self.split(mb, micro_batch=i, record=record) for i, mb in enumerate(x.tensor_split(self.micro_batches))]
         return torch.cat(outs)
+
+
+def timed_forward(piped: PipelinedSplit, x: torch.Tensor) -> dict:
+    """One forward of ``piped`` (after a warm-up one), without autograd, recorded and timed.
+
+    Returns ``timeline`` (per part, ``("F", micro_batch, start, end)`` in seconds from the first part's start, the
+    format :func:`course_lib.viz.draw_pipeline` draws), ``wall`` (seconds until every device is done) and
+    ``issued`` (seconds the host took to *issue* the work). On a CPU an op runs when it is called, so
+    ``issued`` is ``wall``; on a GPU a call only queues kernels, so the host is done long before the GPU when
+    each kernel's work is well above the cost of launching it: the Python loop runs ahead.
+    """
+    devices = list(dict.fromkeys(piped.split.devices))
+    with torch.no_grad():
+        piped(x)                                              # warm-up: CUDA contexts, cuBLAS handles, caches
+        for d in devices:
+            synchronize(d)
+        piped.split.timeline.clear()
+        t0 = time.perf_counter()
+        piped(x, record=True)
+        issued = time.perf_counter() - t0
+        for d in devices:
+            synchronize(d)
+        wall = time.perf_counter() - t0
+    recorded = piped.split.timeline
+    first = min(start for _, _, start, _ in recorded)
+    parts = len(piped.split.parts)
+    timeline = [[("F", i, s - first, e - first) for k, i, s, e in recorded if k == part] for part in range(parts)]
+    return {"timeline": timeline, "wall": wall, "issued": issued}
+
+
+def overlapped(timeline: list[list[tuple]]) -> bool:
+    """Whether two parts ever computed at the same time (in a :func:`timed_forward` timeline)."""
+    return any(a[2] < b[3] and b[2] < a[3] for p, q in zip(timeline, timeline[1:]) for a in p for b in q)
 
 
 def same_outputs_and_grads(reference: nn.Module, candidate: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -23,6 +23,5 @@ from .transformer import (
     transformer,
 )
 
-__all__ = ["mlp", "make_mlp", "WithExtras", "transformer", "Transformer", "TransformerConfig", "Block", "MLP",
-           "CausalSelfAttention", "lm_loss", "LMTrainConfig", "batch_indices", "make_optimizer", "train_reference",
-           "TinyLM"]
+__all__ = ["mlp", "make_mlp", "WithExtras", "TinyLM", "transformer", "Transformer", "TransformerConfig", "Block", "MLP",
+           "CausalSelfAttention", "lm_loss", "LMTrainConfig", "batch_indices", "make_optimizer", "train_reference"]

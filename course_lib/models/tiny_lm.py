@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class TinyLM(nn.Module):
@@ -33,12 +32,8 @@ class TinyLM(nn.Module):
 
 
 def token_batch(n: int, length: int = 6, vocab: int = 13, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` random token sequences and their next tokens (inputs, targets), the same for the same seed."""
+    """``n`` random token sequences and their next tokens (inputs, targets), the same for the same seed.
+    Its loss is :func:`..transformer.lm_loss`."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (n, length + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the next token, averaged over every position of the batch (computed in fp32)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

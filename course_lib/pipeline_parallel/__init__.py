@@ -1,10 +1,26 @@
 """Pipeline parallelism: a model's stages on different ranks, micro-batches flowing through them.
 
-* :mod:`.schedules`: GPipe and 1F1B as lists of ops, simulated; the bubble formula; activations held.
-* :mod:`.stages`: a schedule run for real across processes, measured.
+* :mod:`.schedules`: GPipe and 1F1B as lists of ops, simulated (any plan: it says who waits for what when one
+  deadlocks); the bubble formulas; activations held.
+* :mod:`.stages`: a schedule run for real across processes, measured (wall clock and CPU time), and replayed.
+* :mod:`.torch_pipelining`: the same with PyTorch's own ``torch.distributed.pipelining`` (GPipe, 1F1B,
+  interleaved 1F1B). Not imported here: importing ``torch.distributed.pipelining`` takes a fresh Python
+  seconds (it pulls in torch's compiler stack), so only the code that uses it pays for it
+  (``from course_lib.pipeline_parallel.torch_pipelining import torch_pipeline_worker``).
 """
-from .schedules import KINDS, bubble_formula, peak_in_flight, schedule, simulate
-from .stages import make_batch, make_full_model, make_stage, measured_bubble, pipeline_worker
+from .schedules import KINDS, bubble_formula, bubble_overhead, peak_in_flight, play, schedule, simulate, simulate_plan
+from .stages import (
+           UNDISTURBED,
+           make_batch,
+           make_full_model,
+           make_stage,
+           measured_bubble,
+           pipeline_worker,
+           replayed,
+           shift_to_common_origin,
+           stretch,
+)
 
-__all__ = ["KINDS", "schedule", "simulate", "bubble_formula", "peak_in_flight", "make_stage", "make_full_model",
-           "make_batch", "pipeline_worker", "measured_bubble"]
+__all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
+           "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
+           "replayed", "stretch", "UNDISTURBED", "shift_to_common_origin"]

@@ -12,8 +12,14 @@ Either way a stage waits at the start (for the first micro-batch to reach it) an
 last backward to come back): the **bubble**.  With equal work per stage, its share of the time is
 (p - 1) / (m + p - 1): more micro-batches, smaller bubble.
 
-:func:`schedule` and :func:`simulate` are plain Python (the pictures and the explorer use them);
-:mod:`.stages` runs a schedule for real, with activations and gradients sent between ranks.
+Interleaving (``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B``) gives each rank v stages,
+each v times shorter: the idle time becomes (p - 1) / (v m) of the compute time (:func:`bubble_overhead`).
+
+:func:`schedule`, :func:`simulate` and :func:`simulate_plan` (any plan, a learner's included: it says who
+waits for what when a plan deadlocks), and :func:`play` (several stages per rank, any op durations: it replays
+a real run's ops with their measured compute times) are plain Python (the pictures, the explorer and the
+exercise's check use them); :mod:`.stages` runs a schedule for real, with activations and gradients sent
+between ranks, and :mod:`.torch_pipelining` runs PyTorch's own.
 """
 from __future__ import annotations
 
@@ -45,40 +51,94 @@ def schedule(kind: str, stages: int, micro_batches: int) -> list[list[tuple[str,
 
 
 def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
-    """Start and end time of every op, if each takes the given time and communication is free.
+    """Start and end time of every op of schedule ``kind``, if each takes the given time and communication is
+    free: :func:`simulate_plan` of :func:`schedule`."""
+    return simulate_plan(schedule(kind, stages, micro_batches), t_forward, t_backward)
 
-    F(s, i) waits for F(s-1, i); B(s, i) waits for B(s+1, i) (the last stage's B waits for its own F);
-    each stage runs its ops in schedule order.  Returns the ops' times, the makespan and the bubble.
+
+def _dependency(op: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
+    """The op that must finish before stage ``s`` can run ``op`` on micro-batch ``i``: ``(op, stage, i)``."""
+    if op == "F":
+        return ("F", s - 1, i) if s > 0 else None
+    return ("B", s + 1, i) if s < stages - 1 else ("F", s, i)
+
+
+def simulate_plan(plan: list[list[tuple[str, int]]], t_forward: float = 1.0, t_backward: float = 2.0) -> dict:
+    """Run a schedule (``plan[s]``: stage s's ops in order, as :func:`schedule` returns) on an imaginary clock.
+
+    Each forward takes ``t_forward``, each backward ``t_backward``, and communication is free: :func:`play` with
+    one stage per rank. Returns the ops' times per stage (``(op, micro_batch, start, end)``), the makespan and the
+    bubble. Raises ``RuntimeError`` naming what each stuck stage waits for when the plan deadlocks, and
+    ``ValueError`` for an op that is not ``("F", i)`` or ``("B", i)``.
     """
-    plan = schedule(kind, stages, micro_batches)
+    for s, ops in enumerate(plan):
+        bad = [op for op in ops if not (isinstance(op, tuple) and len(op) == 2 and op[0] in ("F", "B")
+                                        and isinstance(op[1], int))]
+        if bad:
+            raise ValueError(f"stage {s}: {bad[0]!r} is not an op: use ('F', i) or ('B', i)")
+    played = play([[(op, i, s, t_forward if op == "F" else t_backward) for op, i in ops]
+                   for s, ops in enumerate(plan)], len(plan))
+    times = [[(op, i, start, end) for op, i, _, start, end in ops] for ops in played["times"]]
+    return {"times": times, "makespan": played["makespan"], "bubble": played["bubble"]}
+
+
+def play(ranks: list[list[tuple[str, int, int, float]]], stages: int) -> dict:
+    """Play the ops of each rank, in order, with the given durations: ``ranks[r]`` lists ``(op, micro_batch,
+    stage, duration)`` (a rank may hold several stages, as in interleaved 1F1B).
+
+    F(s, i) waits for F(s-1, i); B(s, i) waits for B(s+1, i) (the last stage's B waits for its own F); each rank
+    runs one op at a time, in its list's order; messages are free. Returns each rank's ops as ``(op, micro_batch,
+    stage, start, end)``, the makespan, and the bubble: 1 - busy / (ranks x makespan).
+    """
     done: dict[tuple[str, int, int], float] = {}
-    times: list[list[tuple[str, int, float, float]]] = [[] for _ in range(stages)]
-    cursor, clock = [0] * stages, [0.0] * stages
-    while any(cursor[s] < len(plan[s]) for s in range(stages)):
+    times: list[list[tuple[str, int, int, float, float]]] = [[] for _ in ranks]
+    cursor, clock = [0] * len(ranks), [0.0] * len(ranks)
+    while any(cursor[r] < len(ops) for r, ops in enumerate(ranks)):
         progressed = False
-        for s in range(stages):
-            if cursor[s] == len(plan[s]):
+        for r, ops in enumerate(ranks):
+            if cursor[r] == len(ops):
                 continue
-            op, i = plan[s][cursor[s]]
-            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < stages - 1 \
-                else ("F", s, i) if op == "B" else None
+            op, i, s, duration = ops[cursor[r]]
+            dep = _dependency(op, s, i, stages)
             if dep is not None and dep not in done:
                 continue
-            start = max(clock[s], done.get(dep, 0.0))
-            end = start + (t_forward if op == "F" else t_backward)
-            done[(op, s, i)] = clock[s] = end
-            times[s].append((op, i, start, end))
-            cursor[s] += 1
+            start = max(clock[r], done.get(dep, 0.0))
+            done[(op, s, i)] = clock[r] = start + duration
+            times[r].append((op, i, s, start, clock[r]))
+            cursor[r] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {kind} deadlocks")  # cannot happen for the schedules above
-    makespan = max(clock)
-    busy = micro_batches * (t_forward + t_backward)
-    return {"times": times, "makespan": makespan, "bubble": 1 - busy / makespan}
+            raise RuntimeError("the schedule deadlocks: " + "; ".join(_waits(ranks, cursor, stages)))
+    makespan = max(clock, default=0.0)
+    busy = sum(end - start for ops in times for *_, start, end in ops)
+    return {"times": times, "makespan": makespan, "bubble": 1 - busy / (len(ranks) * makespan) if makespan else 0.0}
+
+
+def _waits(ranks: list[list[tuple]], cursor: list[int], stages: int) -> list[str]:
+    """What each stuck stage waits for, in words."""
+    out = []
+    planned = {(op, s, i) for ops in ranks for op, i, s, _ in ops}
+    for r, ops in enumerate(ranks):
+        if cursor[r] == len(ops):
+            continue
+        op, i, s, _ = ops[cursor[r]]
+        d_op, d_s, d_i = _dependency(op, s, i, stages)
+        source = "its own" if d_s == s else f"stage {d_s}'s"
+        never = "" if (d_op, d_s, d_i) in planned else f" (which is not in stage {d_s}'s schedule)"
+        where = "" if r == s else f" (on rank {r})"
+        out.append(f"stage {s}{where} waits for {source} {d_op}{d_i}{never} before its {op}{i}")
+    return out
 
 
 def bubble_formula(stages: int, micro_batches: int) -> float:
+    """The idle share of the time, (p - 1) / (m + p - 1), for GPipe and 1F1B with equal stages."""
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def bubble_overhead(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """Idle time over compute time, (p - 1) / (v m), with ``chunks`` = v stages per rank (interleaved 1F1B;
+    v = 1 for GPipe and 1F1B, where it is :func:`bubble_formula`'s b / (1 - b))."""
+    return (stages - 1) / (chunks * micro_batches)
 
 
 def peak_in_flight(kind: str, stages: int, micro_batches: int) -> list[int]:

@@ -6,6 +6,7 @@ start and end are recorded on a clock all the ranks share.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models import mlp
-from .schedules import schedule
+from .schedules import play, schedule
 
 
 def make_stage(rank: int, width: int, layers_per_stage: int, seed: int = 0) -> nn.Sequential:
@@ -39,8 +40,10 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     Rank s holds stage s. Stage 0 reads the input, the last stage computes the loss (mean squared error
     over the whole batch: each micro-batch's loss is weighted by its share of the batch, so uneven
     micro-batches are right too). Returns the stage's gradients, what it held at most, and when each op
-    ran (seconds since the moment the first rank started: ``perf_counter`` is one clock for all the
-    processes of a machine, so the ranks' timelines line up).
+    ran: ``(op, micro_batch, stage, cpu, start, end)``, start and end in seconds since the moment the first rank
+    started (``perf_counter`` is one clock for all the processes of a machine, so the ranks' timelines line up),
+    ``cpu`` the CPU time the op took (less than end - start when the operating system gave the core to another
+    program meanwhile).
     """
     torch.set_flush_denormal(True)  # tiny gradients as denormal floats make CPU arithmetic 10-100x slower
     stage = make_stage(rank, width, layers_per_stage)
@@ -56,6 +59,14 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     timeline = []
     dist.barrier()
     t0 = time.perf_counter()
+
+    def now() -> tuple[float, float]:
+        return time.thread_time(), time.perf_counter() - t0
+
+    def note(op: str, i: int, start: tuple[float, float]) -> None:
+        cpu, end = now()
+        timeline.append((op, i, rank, cpu - start[0], start[1], end))
+
     # Post every receive at once: each message then lands while this stage is busy with something else,
     # instead of after it asks (messages between two ranks arrive in the order they were sent).
     acts = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not first else {}
@@ -70,9 +81,9 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
             else:
                 pending.pop(("F", i)).wait()
                 inp = acts.pop(i).requires_grad_()
-            start = time.perf_counter() - t0
+            start = now()
             out = stage(inp)
-            timeline.append(("F", i, start, time.perf_counter() - t0))
+            note("F", i, start)
             inputs[i], outputs[i] = inp, out
             held += 1
             peak = max(peak, held)
@@ -80,14 +91,14 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
                 sends.append(dist.isend(out.detach(), dst=rank + 1))
         else:
             if last:
-                start = time.perf_counter() - t0
+                start = now()
                 loss = F.mse_loss(outputs[i], ys[i]) * len(ys[i]) / batch
                 loss.backward()
             else:
                 pending.pop(("B", i)).wait()
-                start = time.perf_counter() - t0
+                start = now()
                 outputs[i].backward(grads.pop(i))
-            timeline.append(("B", i, start, time.perf_counter() - t0))
+            note("B", i, start)
             if not first:
                 sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
             del inputs[i], outputs[i]  # this micro-batch's activations can go
@@ -95,17 +106,54 @@ def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, b
     for s in sends:
         s.wait()
     total = time.perf_counter() - t0
-    start = torch.tensor([t0], dtype=torch.float64)
-    dist.all_reduce(start, op=dist.ReduceOp.MIN)          # the earliest rank's start: a common origin
-    shift = t0 - start.item()
-    timeline = [(op, i, a + shift, b + shift) for op, i, a, b in timeline]
+    shift = shift_to_common_origin(t0)
+    timeline = [(op, i, s, cpu, a + shift, b + shift) for op, i, s, cpu, a, b in timeline]
     return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
             "timeline": timeline, "total": total}
 
 
+def shift_to_common_origin(t0: float) -> float:
+    """What to add to this rank's times (seconds since its own ``t0``) to count them from the earliest rank's
+    ``t0``: ``perf_counter`` is one clock for all the processes of a machine, so the timelines then line up.
+    A collective: every rank calls it."""
+    start = torch.tensor([t0], dtype=torch.float64)
+    dist.all_reduce(start, op=dist.ReduceOp.MIN)
+    return t0 - start.item()
+
+
 def measured_bubble(results: list[dict]) -> float:
-    """Idle share of the pipeline: 1 - (time spent computing) / (stages x wall time), from real timelines."""
-    start = min(op[2] for r in results for op in r["timeline"])
-    end = max(op[3] for r in results for op in r["timeline"])
-    busy = sum(op[3] - op[2] for r in results for op in r["timeline"])
+    """Idle share of the pipeline: 1 - (time spent computing) / (ranks x wall time), from real timelines (each
+    rank's ``timeline`` holds ops whose last two fields are their start and end)."""
+    start = min(op[-2] for r in results for op in r["timeline"])
+    end = max(op[-1] for r in results for op in r["timeline"])
+    busy = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
     return 1 - busy / (len(results) * (end - start))
+
+
+UNDISTURBED = 1.2   # ops that took at most this times their CPU time ran nearly undisturbed
+
+
+def stretch(results: list[dict]) -> float:
+    """The ops' wall-clock time over the CPU time they used: 1.0 when nothing else wanted the cores; about 1.5 when
+    two stages share two cores with one other busy program (time-slicing); more on a busier machine. Above
+    :data:`UNDISTURBED` a timeline shows the operating system's time-slicing as much as the schedule: a stage
+    waits for a neighbour the operating system has set aside for a few milliseconds, or computes while the
+    neighbour's ops are stretched."""
+    wall = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
+    return wall / sum(op[3] for r in results for op in r["timeline"])
+
+
+def replayed(results: list[dict]) -> dict:
+    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with messages free and each
+    op lasting the CPU time it needed: the bubble the schedule itself leaves for these ops' real costs, without what
+    the wall clock adds (messages, overheads, and time-slicing on a busy machine).
+
+    An op's cost is the median CPU time of the ops of its kind (forward or backward) on its stage: one op slowed by
+    another program (sharing the memory bus or the caches) does not move the result; a slower stage does."""
+    costs: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for op, _, s, cpu, _, _ in r["timeline"]:
+            costs.setdefault((op, s), []).append(cpu)
+    typical = {key: statistics.median(values) for key, values in costs.items()}
+    stages = 1 + max(s for _, s in typical)
+    return play([[(op, i, s, typical[op, s]) for op, i, s, *_ in r["timeline"]] for r in results], stages)

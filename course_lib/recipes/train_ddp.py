@@ -5,7 +5,8 @@
 What it does that the seed program did not:
 * the device comes from ``LOCAL_RANK`` (the rank on this node), not the global rank, and ``set_device``
   is called before ``init_process_group``;
-* it checks its launch (a launcher's environment, NCCL only with a GPU per rank) and says what to do;
+* it checks its launch (a launcher's environment, NCCL only with a GPU per rank, restarts that can work: see
+  ``check_restarts``) and says what to do;
 * the loss it logs is the mean over all ranks; a progress bar shows on rank 0 only;
 * bf16 autocast on GPUs; a checkpoint (model, optimizer, epochs run) written atomically by rank 0
   every ``--save-every`` epochs, and resumed from automatically when the job is restarted;
@@ -69,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     count, real = _positive(int), _positive(float)
     p.add_argument("--epochs", type=count, default=4)
     p.add_argument("--batch-size", type=count, default=32, help="per rank")
-    p.add_argument("--lr", type=real, default=0.05)
+    p.add_argument("--lr", type=real, default=0.05,
+                   help="for one process with --batch-size; multiplied by the number of ranks (the linear scaling "
+                        "rule: the global batch is that many times larger)")
     p.add_argument("--samples", type=count, default=2000)
     p.add_argument("--hidden", type=count, default=128)
     p.add_argument("--depth", type=count, default=3)
@@ -113,32 +116,40 @@ def choose_backend(requested: str | None, local_world_size: int) -> str:
         raise SystemExit(f"error: {e}") from None
 
 
-def _store_for_this_attempt(env: dict, timeout: timedelta):
-    """Under torchrun the agent hosts the rendezvous store, and it outlives a failed attempt. Restarted
-    workers have been seen reading the dead workers' addresses from it ("Connection refused" at
-    init, pytorch issue 167288): give every attempt its own key space. ``None`` outside torchrun."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
-        return None                                        # a first attempt: plain env:// is right
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["WORLD_SIZE"],
-                         is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"course/attempt_{attempt}", base)
+def check_restarts(environ=os.environ) -> None:
+    """Refuse, at once, a launch whose restarts cannot work.
+
+    With a rendezvous (``--standalone``, or ``--rdzv-backend=c10d`` across nodes) the workers' ``env://`` store
+    lives in torchrun's agent on node 0, and by default (since torch 2.5; checked in 2.11 and 2.13) that agent
+    keeps **one** store for every restart round. Restarted workers then find the dead round's keys in it: the dead
+    workers' addresses ("Connection refused"), or arrival counts that never add up (a wait until the timeout);
+    on one node, 2 of 3 restarted jobs hung that way. Keys made per attempt from ``TORCHELASTIC_RESTART_COUNT``
+    fix one node only: each node's agent counts its own restarts (the node whose worker died counts one; the
+    others see a membership change, which does not count), so across nodes the ranks look for each other under
+    different keys. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment makes every round start a
+    fresh store, hosted by that round's rank 0; ``course_lib.launch.commands.torchrun`` and ``slurm_ddp.sbatch`` set it.
+    """
+    shared = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        example = LAUNCH_HINT.replace("--standalone", "--standalone --max-restarts=3")
+        raise SystemExit(
+            "error: torchrun --max-restarts needs a fresh rendezvous store for each restart, but this torchrun keeps "
+            "one for the whole job: restarted workers would read the dead workers' addresses from it. Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, with a c10d rendezvous (--standalone, "
+            f"or --rdzv-backend=c10d across nodes), e.g.\n  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {example}")
 
 
 def setup(args) -> Context:
     env = launch_env()
+    check_restarts()
     backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"])
     if backend == "nccl":
         device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
         torch.cuda.set_device(device)                      # before init_process_group
     else:
         device = torch.device("cpu")
-    timeout = timedelta(seconds=args.timeout)
-    store = _store_for_this_attempt(env, timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-    else:
-        dist.init_process_group(backend, store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"], timeout=timeout)
+    # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     return Context(env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], backend, device)
 
 
@@ -187,7 +198,8 @@ class Trainer:
         dataset = make_dataset(args.samples, seed=args.seed)
         model = make_mlp(hidden=args.hidden, depth=args.depth, seed=args.seed).to(ctx.device)
         self.model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.lr = args.lr * ctx.world_size               # the global batch is world_size x --batch-size
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
         self.sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
                                  pin_memory=ctx.device.type == "cuda")
@@ -215,6 +227,8 @@ class Trainer:
                 raise KeyError(", ".join(map(repr, missing)))
             self.model.module.load_state_dict(snap["model"])
             self.optimizer.load_state_dict(snap["optimizer"])
+            for group in self.optimizer.param_groups:      # this job's world size sets the rate, not the snapshot's
+                group["lr"] = self.lr
             self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
         except Exception as e:                             # not ours, damaged, or another model's shape
             raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
@@ -239,13 +253,15 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> float:
         from tqdm import tqdm
         self.sampler.set_epoch(epoch)                      # a new shuffle each epoch, the same on all ranks
-        totals = torch.zeros(2, device=self.ctx.device)
+        loss_sum, samples = torch.zeros((), device=self.ctx.device), 0
         bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=self.ctx.rank != 0 or not sys.stderr.isatty())
         for step, (x, y) in enumerate(bar):
             self._maybe_crash(epoch, step)
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             loss = train_step(self.model, self.optimizer, x, y, self.amp)
-            totals += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.ctx.device)])
+            loss_sum += loss.detach() * len(y)             # stays on the device: no copy, no sync per step
+            samples += len(y)
+        totals = torch.stack([loss_sum, torch.tensor(float(samples), device=self.ctx.device)])
         dist.all_reduce(totals)                            # the mean loss over ALL ranks' samples
         return (totals[0] / totals[1]).item()
 
@@ -268,8 +284,11 @@ class Trainer:
             checkpoint.save_atomic(state, self.args.out)
         elapsed = time.perf_counter() - start
         return {"event": "done", "world_size": self.ctx.world_size, "backend": self.ctx.backend,
-                "device": self.ctx.device.type, "bf16": self.amp, "epochs": self.epochs_run, "losses": self.losses,
-                "samples_per_s": samples / elapsed if elapsed > 0 else None, "weights": fingerprint(state)}
+                "device": self.ctx.device.type, "bf16": self.amp, "lr": self.lr, "epochs": self.epochs_run,
+                "losses": self.losses,
+                "samples_per_s": samples / elapsed if elapsed > 0 else None,
+                "cpus": hardware.cpu_count(),                  # the cores it may use: what SLURM bound it to
+                "weights": fingerprint(state)}
 
 
 def main(argv=None) -> dict:

@@ -3,8 +3,8 @@
 * :mod:`.collectives`: what ranks hold before and after a collective; the ring's steps; all-reduce sweeps.
 * :mod:`.training`: how a sampler shards the data, bucket timelines, loss curves (data parallelism).
 * :mod:`.pipeline`: Gantt charts of pipeline schedules, simulated or measured.
-* :mod:`.sharding`: ZeRO's stages: which rank holds which shard, before and after each collective.
 * :mod:`.tensor_parallel`: matrices split by columns and rows, DTensor placements, who holds what on a mesh.
+* :mod:`.sharding`: ZeRO's stages: which rank holds which shard, before and after each collective.
 * :mod:`.widgets`: explorers (ipywidgets) wired to tested pure functions; each keeps ``.state``.
 * :mod:`.source`: :func:`show_source`, the real code of what a notebook runs.
 * :mod:`.style`: one colour per rank.

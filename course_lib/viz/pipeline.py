@@ -7,15 +7,15 @@ import matplotlib.pyplot as plt
 def draw_pipeline(times: list[list[tuple]], title: str, unit: str = "s"):
     """Gantt chart of a pipeline: one row per stage, forward ops blue, backward ops green, labelled by micro-batch.
 
-    ``times[stage]`` is a list of ``(op, micro_batch, start, end)``; works for the output of
-    :func:`course_lib.pipeline_parallel.simulate` and for timelines measured by
-    :func:`course_lib.pipeline_parallel.pipeline_worker` alike.
+    ``times[stage]`` is a list of ``(op, micro_batch, ..., start, end)`` (the label is op and micro-batch, the bar
+    from start to end); works for the output of :func:`course_lib.pipeline_parallel.simulate` and for timelines
+    measured by :func:`course_lib.pipeline_parallel.pipeline_worker` alike.
     """
     stages = len(times)
     fig, ax = plt.subplots(figsize=(10, 0.55 * stages + 1.2))
     for s, ops in enumerate(times):
         y = stages - 1 - s
-        for op, i, start, end in ops:
+        for op, i, *_, start, end in ops:
             ax.barh(y, end - start, left=start, color="#4a90d9" if op == "F" else "#5cb85c", edgecolor="white")
             ax.text((start + end) / 2, y, f"{op}{i}", ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(stages), [f"stage {s}" for s in reversed(range(stages))])

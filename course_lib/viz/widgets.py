@@ -104,9 +104,10 @@ class MemoryCalculator(Explorer):
         self.dtype = W.Dropdown(options=list(memory.DTYPE_BYTES), value=dtype, description="precision")
         self.optimizer = W.Dropdown(options=list(memory.OPTIMIZER_STATES), value=optimizer, description="optimizer")
         self.device_gib = W.BoundedFloatText(value=device_gib, min=0, max=100_000, step=8, description="device GiB")
-        self.zero_stage = W.Dropdown(options=[("none (DDP)", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
+        self.zero_stage = W.Dropdown(options=[("none", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
                                      value=zero_stage, description="sharding")
-        self.world_size = W.BoundedIntText(value=world_size, min=1, max=1_000_000, description="GPUs")
+        counts = sorted({2**k for k in range(13)} | {world_size})          # 1, 2, 4, ... 4096 GPUs
+        self.world_size = W.Dropdown(options=counts, value=world_size, description="GPUs")
         self.out = W.HTML()
         self.state: dict = {}
         controls = (self.billions, self.dtype, self.optimizer, self.device_gib, self.zero_stage, self.world_size)
@@ -125,8 +126,11 @@ class MemoryCalculator(Explorer):
         self.state = {"breakdown": parts, "fits": ok}
         rows = "".join(f"<tr><td>{k}</td><td>{m.human(v)}</td></tr>" for k, v in parts.items() if v)
         verdict = "fits" if ok else "does NOT fit"
-        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}:<table>{rows}</table><b>{verdict}</b> "
-                          f"in {self.device_gib.value:g} GiB per GPU (90% usable; activations not included)")
+        stage, gpus = self.zero_stage.value, self.world_size.value
+        sharding = f"ZeRO-{stage}" if stage else "not sharded"
+        self.out.value = (f"{billions:g} B parameters, {dtype}, {optimizer}; {sharding}, {gpus} GPU{'s' * (gpus != 1)}:"
+                          f"<table>{rows}</table><b>{verdict}</b> in {self.device_gib.value:g} GiB per GPU "
+                          "(90% usable; activations not included)")
 
 
 class ScheduleExplorer(Explorer):

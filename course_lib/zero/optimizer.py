@@ -50,6 +50,9 @@ class Bucket:
 
 
 def _as_groups(params) -> list[dict]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or of parameter-group dicts, like any optimizer's; "
+                        "got a single tensor (pass [tensor])")
     params = list(params)
     if not params:
         raise ValueError("ShardedOptimizer got an empty parameter list")
@@ -88,9 +91,12 @@ class ShardedOptimizer(Optimizer):
         super().__init__(groups, self.inner.defaults)
 
     def _bucket(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Consecutive parameters, about ``bucket_cap_mb`` per bucket."""
+        """Consecutive parameters of one dtype and device, about ``bucket_cap_mb`` per bucket."""
         cap, buckets, current, size = self.bucket_cap_mb * 2**20, [], [], 0
         for p in params:
+            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+                buckets.append(current)                 # one collective moves one dtype
+                current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= cap:
@@ -149,7 +155,8 @@ class LayerwiseZero1(ShardedOptimizer):
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
                 continue
-            averaged = b.group.reduce_scatter_mean(grads, grads[0].dtype if grads[0] is not None else torch.float32)
+            dtype = next(g.dtype for g in grads if g is not None)
+            averaged = b.group.reduce_scatter_mean(grads, dtype)
             for i, (p, s, mean) in enumerate(zip(b.params, b.shards, averaged)):
                 if p.grad is not None:
                     s.grad = p.grad.view(-1)[slice(*b.group.bounds(i))].copy_(mean)

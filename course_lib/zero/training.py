@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from ..data import make_dataset
 from ..hardware import rank_device
 from ..models import make_mlp
-from ..models.tiny_lm import TinyLM, lm_loss, token_batch
+from ..models.tiny_lm import TinyLM, token_batch
+from ..models.transformer import lm_loss
 from .api import full_state_dict, shard
 from .optimizer import ShardedOptimizer
 from .stage3 import cast_floating, fully_shard
@@ -65,7 +66,8 @@ def batches(model: str, n: int, steps: int, seed: int = 1) -> list[tuple[torch.T
 
 
 def loss_fn(model: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return lm_loss(output, target) if model == "tiny_lm" else F.cross_entropy(output.float(), target)
+    """The loss in fp32, whatever type the model computed in."""
+    return lm_loss(output.float(), target) if model == "tiny_lm" else F.cross_entropy(output.float(), target)
 
 
 def make_optimizer(name: str, params, sharded: bool = False):
