@@ -32,11 +32,12 @@ def cpu_features() -> dict:
     return out
 
 
-def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 5, sample_s: float = 0.02,
+def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 30, sample_s: float = 0.002,
                   dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> dict:
     """GFLOP/s of a ``size`` x ``size`` matrix product in each dtype on the rank's device: the best of ``rounds``
-    samples of about ``sample_s`` seconds each, the dtypes alternating. The best, because what we want is what
-    the hardware can do: another process taking the core only ever makes a sample slower."""
+    short samples (about ``sample_s`` seconds each), the dtypes alternating; a dtype whose single product takes
+    over 50 ms (fp16 on most CPUs) gets 3 samples. The best, because what we want is what the hardware can do:
+    another program taking the core only ever makes a sample slower, and a short sample is often left alone."""
     from ..hardware import rank_device, synchronize
     device = rank_device()
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
@@ -50,9 +51,12 @@ def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 5, 
         synchronize(device)
         return (time.perf_counter() - t0) / reps
 
-    reps = {dt: max(1, round(sample_s / timed(x, y, 1))) for dt, (x, y) in pairs.items()}   # also a warm-up
+    once = {dt: timed(x, y, 1) for dt, (x, y) in pairs.items()}                     # also a warm-up
+    reps = {dt: max(1, round(sample_s / t)) for dt, t in once.items()}
+    samples = {dt: rounds if t < 0.05 else min(rounds, 3) for dt, t in once.items()}
     times: dict = {dt: [] for dt in dtypes}
-    for _ in range(rounds):
+    for i in range(rounds):
         for dt, (x, y) in pairs.items():
-            times[dt].append(timed(x, y, reps[dt]))
+            if i < samples[dt]:
+                times[dt].append(timed(x, y, reps[dt]))
     return {str(dt).replace("torch.", ""): 2 * size**3 / min(t) / 1e9 for dt, t in times.items()}
