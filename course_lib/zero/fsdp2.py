@@ -9,10 +9,11 @@ by hand on each module, bottom-up (ours finds the layers itself), and its shards
 parameter (``Shard(0)``) where ours are 1-D slices of the flattened parameter.
 
 **Gloo and averaging.** FSDP2 averages gradients with ``ReduceOp.AVG`` inside the reduce-scatter.
-pytorch/pytorch#162338 (September 2025) reported that on Gloo this came out as a *sum*: gradients N
-times too large, silently. A fix to Gloo was merged in December 2025 (pytorch/pytorch#171458); the
-torch 2.13 this course is tested with averages correctly. :func:`force_sum_on_gloo` is the workaround
-for the torch versions between: reduce with a sum and let FSDP2 divide by the world size itself.
+pytorch/pytorch#162338 (September 2025, when torch 2.8 was the current release) reported that on Gloo
+this came out as a *sum*: gradients N times too large, silently. A fix to Gloo was merged in December
+2025 (pytorch/pytorch#171458); on torch 2.13, FSDP2 on 2 Gloo ranks averaged correctly without any
+workaround when this was written. :func:`force_sum_on_gloo` is the workaround for whichever releases
+have the bug: reduce with a sum and let FSDP2 divide by the world size itself, on every version.
 
 A DCP checkpoint is a folder: every rank writes the shards it holds (``__<rank>_0.distcp``), and
 rank 0 adds a ``.metadata`` file that says where each piece of each tensor is. Loading reads the
