@@ -39,8 +39,8 @@ Notebook → the modules it shows and uses:
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex06``
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
 * 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
-  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),
-  ``exercises.ex08``
+  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``tensor_parallel.comm`` (``CollectiveLog``), ``viz.sharding``,
+  ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex08``
 * 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
   ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
   ``viz.tensor_parallel``, ``exercises.ex09``

@@ -1,7 +1,9 @@
 """ZeRO from scratch (course_lib.zero): every stage equals one process on the global batch, on real Gloo ranks.
 
-Also: FSDP2 equals the from-scratch ZeRO-3; DCP saved on 4 ranks loads on 2; the bytes each rank holds match
-the arithmetic; ZeRO-3 holds one layer's whole parameters at a time; the traffic of a step; bad input.
+Also: FSDP2 equals the from-scratch ZeRO-3, and a check with SGD catches it summing instead of averaging; FSDP2's
+collectives with and without reshard_after_forward, and in mixed precision; DCP (model and optimizer) saved on 4 ranks
+loads on 2; the bytes each rank keeps match the arithmetic, DDP's buckets included; ZeRO-3 holds one layer's whole
+parameters at a time; the traffic of a step, with gradient accumulation too; bad input.
 """
 import functools
 import importlib.util
@@ -164,18 +166,105 @@ def test_sharded_optimizer_with_groups_and_a_scheduler_equals_the_plain_optimize
         assert T.max_difference(plain, sharded) < 1e-6
 
 
-def test_dcp_saved_on_4_ranks_loads_on_2_with_the_same_weights(tmp_path, no_leftovers):
+def test_dcp_saved_on_4_ranks_loads_on_2_with_the_same_weights_and_optimizer_state(tmp_path, no_leftovers):
+    import torch.distributed.checkpoint as dcp
     path = str(tmp_path / "checkpoint")
     model_fn = functools.partial(measure.deep_mlp, 32, 2)
     saved = run(fsdp2.dcp_save_worker, 4, path, model_fn, backend="gloo", show_output=False)
     assert sorted(os.listdir(path)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
     assert all(T.max_difference(s["weights"], saved[0]["weights"]) == 0 for s in saved)
+    assert all(fsdp2.optimizer_state_difference(s["optimizer"], saved[0]["optimizer"]) == 0 for s in saved)
+    state = saved[0]["optimizer"]["state"]["0.weight"]
+    assert state["exp_avg"].shape == (32, 32) and state["exp_avg"].abs().max() > 0 and state["step"] == 2
     loaded = run(fsdp2.dcp_load_worker, 2, path, model_fn, backend="gloo", show_output=False)
     fresh = {k: v for k, v in model_fn(seed=123).state_dict().items()}
     for result in loaded:
         assert T.max_difference(result["weights"], saved[0]["weights"]) == 0.0
         assert T.max_difference(result["weights"], fresh) > 1e-3            # it did load something
         assert result["shapes"]["0.weight"] == ((32, 32), (16, 32))          # resharded: half of the rows each
+        assert fsdp2.optimizer_state_difference(result["optimizer"], saved[0]["optimizer"]) == 0.0
+        assert result["optimizer"]["param_groups"][0]["lr"] == 0.01          # not the fresh optimizer's 0.5
+    # .metadata is DCP's own pickle, read by its reader (torch.load refuses it): where each rank's rows are
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    chunks = metadata.state_dict_metadata["model.0.weight"].chunks
+    assert [tuple(c.offsets) for c in chunks] == [(8 * r, 0) for r in range(4)]
+    with pytest.raises(Exception, match="magic number"):
+        torch.load(os.path.join(path, ".metadata"), weights_only=False)
+
+
+def test_optimizer_state_difference_sees_a_changed_state_or_learning_rate():
+    state = {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]}
+    other = {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.full((3,), 1.5)}},
+             "param_groups": [{"lr": 0.1}]}
+    assert fsdp2.optimizer_state_difference(state, state) == 0.0
+    assert fsdp2.optimizer_state_difference(state, other) == 0.5
+    assert fsdp2.optimizer_state_difference(state, {**state, "param_groups": [{"lr": 0.2}]}) == float("inf")
+
+
+def fsdp2_worker(rank, world_size):
+    model_fn = functools.partial(measure.deep_mlp, 64, 4)
+    reshard = {flag: fsdp2.reshard_worker(rank, world_size, model_fn, flag) for flag in (True, False)}
+    mixed = {dtype: fsdp2.mixed_precision_worker(rank, world_size, model_fn, dtype) for dtype in (None, torch.float32)}
+    units = fsdp2.fsdp_units(fsdp2.apply_fsdp2(model_fn()))
+    forced = [g.force_sum_reduction_for_comms for u in units for g in u._get_fsdp_state()._fsdp_param_groups]
+    trained = {(s, o): T.train_worker(rank, world_size, s, "mlp", o) for s in ("fsdp2", "fsdp2_summed")
+               for o in ("sgd", "adamw")}
+    return reshard, mixed, (len(units), forced), trained
+
+
+def test_fsdp2_collectives_memory_mixed_precision_and_a_check_that_catches_summed_gradients(no_leftovers):
+    """reshard_after_forward=True: 4 all-gathers in forward, 4 more in backward, 4 reduce-scatters on 4 layers;
+    False: no all-gather in backward, the whole weights kept in between; both free everything after backward.
+    reduce_dtype=None reduce-scatters bf16 (half the bytes of float32). The Gloo workaround reaches every unit.
+    FSDP2 summing the gradients (pytorch#162338's effect) is far off one process with SGD, close with AdamW."""
+    params = 4 * (64 * 64 + 64)
+    for reshard, mixed, (n_units, forced), trained in run(fsdp2_worker, 2, backend="gloo", show_output=False):
+        counted = ("forward all-gathers", "backward all-gathers", "reduce-scatters")
+        assert [reshard[True][k] for k in counted] == [4, 4, 4]
+        assert [reshard[False][k] for k in counted] == [4, 0, 4]
+        assert reshard[True]["after forward"] == 0 and reshard[False]["after forward"] == params * 4
+        assert reshard[True]["after backward"] == reshard[False]["after backward"] == 0
+        assert reshard[True]["reduce-scatter bytes"] == params * 4
+        assert mixed[None]["reduce-scatter bytes"] == params * 2
+        assert mixed[torch.float32]["reduce-scatter bytes"] == params * 4
+        assert all(m["compute"] == torch.bfloat16 and m["gradients"] == torch.float32 for m in mixed.values())
+        assert n_units == 5 and forced == [True] * 4          # 4 layers with a param group each, and the empty root
+        for o in ("sgd", "adamw"):
+            assert T.max_difference(trained["fsdp2", o], T.train_reference(2, "mlp", o)) < 1e-5
+        summed = {o: T.max_difference(trained["fsdp2_summed", o], T.train_reference(2, "mlp", o))
+                  for o in ("sgd", "adamw")}
+        assert summed["sgd"] > 1e-2 and summed["adamw"] < summed["sgd"] / 100
+
+
+def test_the_2d_mesh_of_notebook_09_sums_on_gloo_in_every_fsdp2_unit(no_leftovers):
+    from course_lib.models.transformer import LMTrainConfig
+    from course_lib.tensor_parallel.training import build
+
+    def worker(rank, world_size):
+        model = build(LMTrainConfig(), "2d", world_size, tp=2)[0]
+        units = fsdp2.fsdp_units(model)
+        return len(units), [g.force_sum_reduction_for_comms for u in units
+                            for g in u._get_fsdp_state()._fsdp_param_groups]
+    for n_units, forced in run(worker, 2, backend="gloo", show_output=False):
+        assert n_units > 1 and forced and all(forced)
+
+
+def test_ddp_keeps_a_second_gradient_buffer_unless_gradients_are_views_of_its_buckets(no_leftovers):
+    grads = 4 * (64 * 64 + 64) * 4
+    for result in run(measure.ddp_bucket_worker, 2, 64, 4, backend="gloo", show_output=False):
+        assert result[False] == {"bucket bytes": grads, "gradient bytes": grads, "gradients in the buckets": False}
+        assert result[True] == {"bucket bytes": grads, "gradient bytes": grads, "gradients in the buckets": True}
+
+
+def test_with_gradient_accumulation_zero2_and_zero3_reduce_scatter_every_micro_batch(no_leftovers):
+    """ZeRO-1 reduce-scatters once a step, in step(); ZeRO-2 and 3 keep no whole gradients to accumulate into, so
+    each backward reduce-scatters (and ZeRO-3 gathers again): two micro-batches, twice the reduce-scatters."""
+    depth = 4
+    logs = run(measure.traffic_worker, 2, (1, 2, 3), 32, depth, 2, backend="gloo", show_output=False)[0]
+    reduce_scatters = {s: sum(op in ("all-reduce", "reduce-scatter") for op, _ in log) for s, log in logs.items()}
+    all_gathers = {s: sum(op == "all-gather" for op, _ in log) for s, log in logs.items()}
+    assert reduce_scatters == {1: depth, 2: 2 * depth, 3: 2 * depth}
+    assert all_gathers == {1: depth, 2: depth, 3: 4 * depth}
 
 
 def test_traffic_of_a_step_counts_like_a_ring(no_leftovers):
@@ -289,3 +378,20 @@ def test_benchmark_worker_runs(no_leftovers):
     assert report.count("goal") == 2 and "NOT met" not in report
     assert "NOT met" in bench.report({3: 2.0, "fsdp2": 1.0}, {"ddp": 100, 1: 25, 2: 25, 3: 25})
     assert "NOT met" in bench.report({3: 1.0, "fsdp2": 1.0}, {"ddp": 100, 1: 30, 2: 25, 3: 25})
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_stage_equals_one_process_run_on_the_same_gpu(no_leftovers):
+    """Notebook 08's comparison on GPUs: the reference trains on the rank's own GPU (same float32 arithmetic).
+    One rank, so NCCL on a one-GPU machine: its real reduce-scatter path, and FSDP2 on CUDA."""
+    from course_lib import hardware
+    cases = [(m, o, s) for m in ("mlp", "tiny_lm") for o in ("adamw", "sgd")
+             for s in [1, 2, 3] + (["ddp", "fsdp2"] if m == "mlp" else [])]
+
+    def worker(rank, world_size):
+        device = hardware.rank_device()
+        return str(device), {(m, o, s): T.max_difference(T.train_worker(rank, world_size, s, m, o),
+                                                         T.train_reference(world_size, m, o, device=device))
+                             for m, o, s in cases}
+    device, gaps = run(worker, 1, show_output=False)[0]
+    assert device.startswith("cuda") and max(gaps.values()) < 1e-5, gaps

@@ -44,6 +44,8 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
     if layout == "2d":
         from torch.distributed.fsdp import fully_shard
 
+        from ..zero.fsdp2 import force_sum_on_gloo
+
         if world_size % tp:
             raise ValueError(f"world_size {world_size} does not divide into tensor-parallel groups of {tp}")
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
@@ -51,6 +53,7 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])                                # ...then FSDP2 across the groups
         fully_shard(model, mesh=mesh["dp"])
+        force_sum_on_gloo(model)              # Gloo averaged wrongly in some torch versions (zero.fsdp2)
         dp = mesh["dp"]
         return model, dp.get_local_rank(), dp.size(), dp.get_group(), mesh
     raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")

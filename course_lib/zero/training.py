@@ -5,9 +5,14 @@ global batch, trains with ``strategy`` and returns the full state dict. :func:`t
 process on the global batch (``world_size * batch`` examples a step). A strategy is correct when the
 two end with the same weights.
 
-Strategies: ``"ddp"`` (torch DDP), ``1``, ``2``, ``3`` (:func:`..shard`), ``"sharded_optimizer"``
-(DDP + :class:`..ShardedOptimizer`), ``"fully_shard"`` (:func:`..fully_shard` + a plain optimizer,
-with ``compute_dtype``), ``"fsdp2"`` (PyTorch's ``fully_shard``, :mod:`.fsdp2`).
+Strategies: ``"ddp"`` (torch DDP, its gradients views of its buckets), ``1``, ``2``, ``3`` (:func:`..shard`),
+``"sharded_optimizer"`` (DDP + :class:`..ShardedOptimizer`), ``"fully_shard"`` (:func:`..fully_shard` + a
+plain optimizer, with ``compute_dtype``), ``"fsdp2"`` (PyTorch's ``fully_shard``, :mod:`.fsdp2`), and
+``"fsdp2_summed"``: FSDP2 made to sum the gradients instead of averaging them (the Gloo bug of
+pytorch/pytorch#162338, on purpose), which a comparison with one process must catch.
+
+On GPUs, compare with :func:`train_reference` run on the same device (``device=``): both sides then use
+the same float32 arithmetic, and only the order of the sums differs, as on the CPU.
 """
 from __future__ import annotations
 
@@ -82,18 +87,20 @@ def wrap(strategy, model: nn.Module, optimizer: str, compute_dtype=None):
     cls, kwargs = OPTIMIZERS[optimizer]
     if strategy in (1, 2, 3):
         return shard(model, strategy, cls, **kwargs)
-    if strategy == "ddp":
+    if strategy == "ddp":                 # gradients as views of DDP's buckets: no second gradient-sized buffer
         from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model), make_optimizer(optimizer, model.parameters())
+        return DDP(model, gradient_as_bucket_view=True), make_optimizer(optimizer, model.parameters())
     if strategy == "sharded_optimizer":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model), make_optimizer(optimizer, model.parameters(), sharded=True)
     if strategy == "fully_shard":
         model = fully_shard(model, compute_dtype=compute_dtype)
         return model, make_optimizer(optimizer, model.parameters())
-    if strategy == "fsdp2":
-        from .fsdp2 import apply_fsdp2
+    if strategy in ("fsdp2", "fsdp2_summed"):
+        from .fsdp2 import apply_fsdp2, sum_instead_of_average
         model = apply_fsdp2(model)
+        if strategy == "fsdp2_summed":
+            sum_instead_of_average(model)
         return model, make_optimizer(optimizer, model.parameters())
     raise ValueError(f"unknown strategy {strategy!r}")
 
@@ -102,7 +109,7 @@ def state_of(strategy, model: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict of a wrapped model, on the CPU."""
     if strategy in ("ddp", "sharded_optimizer"):
         model = model.module
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "fsdp2_summed"):
         from .fsdp2 import fsdp2_full_state_dict
         state = fsdp2_full_state_dict(model)
     else:
@@ -126,10 +133,12 @@ def train_worker(rank: int, world_size: int, strategy, model: str = "mlp", optim
 
 
 def train_reference(world_size: int, model: str = "mlp", optimizer: str = "adamw", steps: int = 3,
-                    batch: int = 4, compute_dtype=None) -> dict:
-    """One process on the global batch. With ``compute_dtype``, it casts the way ``fully_shard`` does:
-    a copy of the parameters in that type computes (inputs of every layer cast), fp32 steps."""
-    master = build(model)
+                    batch: int = 4, compute_dtype=None, device=None) -> dict:
+    """One process on the global batch, on ``device`` (the CPU by default); the state dict on the CPU. With
+    ``compute_dtype``, it casts the way ``fully_shard`` does: a copy of the parameters in that type computes
+    (inputs of every layer cast), fp32 steps."""
+    device = torch.device(device or "cpu")
+    master = build(model).to(device)
     opt = make_optimizer(optimizer, master.parameters())
     shadow = master
     if compute_dtype is not None:
@@ -146,12 +155,13 @@ def train_reference(world_size: int, model: str = "mlp", optimizer: str = "adamw
                 for pm, ps in zip(master.parameters(), shadow.parameters()):
                     ps.copy_(pm)
             shadow.zero_grad()
+        x, y = x.to(device), y.to(device)
         loss_fn(model, shadow(x), y).backward()
         if shadow is not master:
             for pm, ps in zip(master.parameters(), shadow.parameters()):
                 pm.grad = None if ps.grad is None else ps.grad.float()
         opt.step()
-    return {k: v.detach().clone() for k, v in master.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in master.state_dict().items()}
 
 
 def max_difference(a: dict, b: dict) -> float:
