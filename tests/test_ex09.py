@@ -37,6 +37,14 @@ def test_the_reference_passes():
     assert ex09.check_f(make_f(False, 1)).status == PASSED   # written by hand, as the learner would
 
 
+def test_the_mlp_check_runs_in_float64_with_a_wide_margin():
+    from course_lib.launch import run
+    for r in run(ex09.in_an_mlp, 2, reference_f, backend="gloo", show_output=False):
+        assert r["grad"].dtype == torch.float64
+        # a correct f agrees to float64 rounding: a million times inside the check's rtol of 1e-6
+        assert torch.allclose(r["grad"], r["expected"], rtol=1e-12, atol=1e-15)
+
+
 def test_the_stub_is_not_attempted():
     fb = ex09.check_f(stub)
     assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)

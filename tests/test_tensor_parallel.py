@@ -6,9 +6,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.launch import RankError, run
-from course_lib.models import LMTrainConfig, TransformerConfig, train_reference
+from course_lib.models import LMTrainConfig, TransformerConfig, train_reference, transformer
 from course_lib.tensor_parallel import column_parallel, row_parallel
-from course_lib.tensor_parallel.check import KINDS, compare_worker, dropout_worker
+from course_lib.tensor_parallel.check import KINDS, compare_worker, dropout_worker, grad_placements_worker
 from course_lib.tensor_parallel.comm import collectives_worker, ring_steps_and_bytes
 from course_lib.tensor_parallel.training import train_worker
 
@@ -164,20 +164,42 @@ def test_heads_must_divide_by_the_ranks():
 
 
 def test_dtensor_issues_the_same_collectives_as_the_scratch_layers():
-    cases = [case for case in CASES if case[0] != "attention"]
+    cases = [case for case in CASES if case[0] != "attention"] + [("attention", "dtensor-unprepared", False)]
     logs = run(collectives_worker, 2, cases, SMALL, backend="gloo", show_output=False)[0]
     act = 2 * SMALL.seq_len * SMALL.dim * 4                          # one (batch, seq, dim) float32 activation
     assert logs["mlp", "scratch", False] == [("all-reduce", act, "forward"), ("all-reduce", act, "backward")]
     two_each = [("all-reduce", act, "forward")] * 2 + [("all-reduce", act, "backward")] * 2
     assert logs["block", "scratch", False] == two_each
     sp_pass = [("all-gather", act), ("reduce-scatter", act)] * 2
-    assert logs["block", "scratch", True] == [(*c, "forward") for c in sp_pass] + [(*c, "backward") for c in sp_pass]
+    passes = [(*c, "forward") for c in sp_pass] + [(*c, "backward") for c in sp_pass]
+    vector = SMALL.dim * 4                                           # one LayerNorm weight, or one bias
+    # after backward, the partial gradients: both LayerNorms' weights and biases, and the two row-parallel
+    # biases from scratch; DTensor computes those biases' gradients whole, and reduces only the LayerNorms'
+    assert logs["block", "scratch", True] == passes + [("all-reduce", vector, "gradient sync")] * 6
+    assert logs["block", "dtensor", True] == passes + [("all-reduce", vector, "gradient sync")] * 4
+    activations = lambda log: [c for c in log if c[2] != "gradient sync"]  # noqa: E731
     for kind in ("mlp", "block"):
         for sp in (False, True):
-            assert logs[kind, "dtensor", sp] == logs[kind, "scratch", sp], (kind, sp)
+            assert activations(logs[kind, "dtensor", sp]) == activations(logs[kind, "scratch", sp]), (kind, sp)
+    # without the PrepareModuleInput, q, k and v each reduce their input's gradient: three all-reduces, not one
+    assert logs["attention", "dtensor-unprepared", False] == [("all-reduce", act, "forward")] + \
+        [("all-reduce", act, "backward")] * 3
     # the all-gather and the reduce-scatter together send what the all-reduce did
     ar = ring_steps_and_bytes("all-reduce", act, 4)[1]
     assert ring_steps_and_bytes("all-gather", act, 4)[1] + ring_steps_and_bytes("reduce-scatter", act, 4)[1] == ar
+
+
+def test_dtensor_leaves_sequence_parallel_layernorm_gradients_partial_and_clipping_still_sees_the_right_norm():
+    results = run(grad_placements_worker, 2, SMALL, backend="gloo", show_output=False)
+    for r in results:
+        placements = r["placements"]
+        for name in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"):
+            assert placements[name] == ("(Replicate(),)", "(Partial(sum),)"), name
+        for name in ("attn.out.bias", "mlp.down.bias"):   # from scratch: partial sums, all-reduced by hand
+            assert placements[name] == ("(Replicate(),)", "(Replicate(),)"), name
+        assert placements["mlp.up.weight"] == ("(Shard(dim=0),)", "(Shard(dim=0),)")
+        assert r["norm"] == pytest.approx(r["unsplit norm"], rel=1e-5)
+        assert r["norm collectives"] and set(r["norm collectives"]) == {"all-reduce"}   # reduced inside the norm
 
 
 TRAIN = LMTrainConfig(model=SMALL.with_(seq_len=16, dim=32, hidden=64), steps=4, batch_size=8, n=64,
@@ -215,34 +237,102 @@ def test_2d_run_with_adamw_gives_the_same_losses_and_learns():
     assert sum(reference["losses"][-3:]) < sum(reference["losses"][:3]) - 0.15
     # Adam turns rounding noise in near-zero gradients into visible steps: equal to ~1e-5, not ~1e-8
     assert max((results[0]["state"][k] - v).abs().max().item() for k, v in reference["state"].items()) < 1e-4
+    # the first step's gradients agree to float32 rounding; Adam's first step, lr·g/(|g|+eps), magnifies it
+    ref, got = reference["first_grads"], results[0]["first_grads"]
+    assert max((got[k] - g).abs().max().item() for k, g in ref.items()) < 1e-7
+    adam = lambda g: cfg.lr * g / (g.abs() + 1e-8)  # noqa: E731
+    adam_gap = max((adam(got[k]) - adam(g)).abs().max().item() for k, g in ref.items())
+    sgd_gap = max(cfg.lr * (got[k] - g).abs().max().item() for k, g in ref.items())
+    assert adam_gap >= 100 * sgd_gap
 
 
-def test_dropout_rule_replicated_masks_agree_sharded_masks_differ(no_leftovers):
-    right = run(dropout_worker, 2, 0.5, True, True, backend="gloo", show_output=False)
-    assert all(torch.equal(a, b) for a, b in zip(right[0]["replicated"], right[1]["replicated"]))
-    assert torch.equal(right[0]["output"], right[1]["output"])          # every rank holds the same block output
-    assert not torch.equal(right[0]["sharded"], right[1]["sharded"])     # each rank's heads: masks of their own
-    kept = torch.cat([r["sharded"].float().flatten() for r in right]).mean().item()
-    assert 0.4 < kept < 0.8   # about half dropped (plus the causal zeros, which count as kept)
+DROPOUT_CASES = [(layout, sp, True, True) for layout in ("scratch", "dtensor") for sp in (False, True)]
 
-    shared = run(dropout_worker, 2, 0.5, True, False, backend="gloo", show_output=False)
-    assert torch.equal(shared[0]["sharded"], shared[1]["sharded"])     # one generator: rank 1's heads copy rank 0's
-    apart = run(dropout_worker, 2, 0.5, False, True, backend="gloo", show_output=False)
-    assert not torch.equal(apart[0]["output"], apart[1]["output"])     # different seeds: the copies drift apart
+
+def test_dropout_rule_replicated_masks_agree_sharded_masks_differ_and_none_repeats(no_leftovers):
+    broken = [("scratch", False, False, True), ("dtensor", False, False, True), ("dtensor", True, False, True),
+              ("scratch", False, True, False)]
+    results = run(dropout_worker, 2, DROPOUT_CASES + broken, backend="gloo", show_output=False)
+    same = lambda case, key, step, block, i=None: torch.equal(  # noqa: E731  rank 0's mask against rank 1's
+        *[(r[case][key][step][block] if i is None else r[case][key][step][block][i]) for r in results])
+    for case in DROPOUT_CASES:
+        sp, r0 = case[1], results[0][case]
+        for step in range(2):
+            for block in range(2):
+                assert not same(case, "attention", step, block), case   # each rank's heads: masks of their own
+                for i in range(2):   # whole activations: one mask on every rank; sequence slices: their own
+                    assert same(case, "residual", step, block, i) != sp, (case, step, block, i)
+        # one stream per rank, advancing: block 1 does not repeat block 0, step 1 does not repeat step 0
+        assert not torch.equal(r0["attention"][0][0], r0["attention"][0][1]), case
+        assert not torch.equal(r0["attention"][0][0], r0["attention"][1][0]), case
+        assert not torch.equal(r0["residual"][0][0][0], r0["residual"][0][1][0]), case
+        assert not torch.equal(r0["residual"][0][0][0], r0["residual"][1][0][0]), case
+        if not sp:   # every rank holds the same block output
+            assert all(torch.equal(a, b) for a, b in zip(r0["output"], results[1][case]["output"])), case
+        kept = torch.cat([r[case]["attention"][0][0].float().flatten() for r in results]).mean().item()
+        assert 0.4 < kept < 0.8   # about half dropped (plus the causal zeros, which count as kept)
+    # one generator for everything (from scratch, or parallelize_module as it is): rank 1's heads copy rank 0's
+    for case in broken[:3]:
+        assert same(case, "attention", 0, 0) and same(case, "attention", 1, 1), case
+    assert same(broken[2], "residual", 0, 0, 0)   # ...and sequence parallelism's slices share their masks
+    # different global seeds: the replicated output drifts apart
+    assert not torch.equal(results[0][broken[3]]["output"][0], results[1][broken[3]]["output"][0])
+
+
+def stream_worker(rank, world_size):
+    """Which dropouts the from-scratch model and the DTensor build use, and how many streams they share."""
+    from course_lib.tensor_parallel import ShardedDropout, tensor_parallel_transformer
+    from course_lib.tensor_parallel.training import build
+    cfg = LMTrainConfig(model=SMALL.with_(dropout=0.1))
+    out = {}
+    for layout, model in (("tp", tensor_parallel_transformer(transformer(cfg.model))),
+                          ("dtensor", build(cfg, "dtensor", world_size)[0])):
+        sharded = [m for m in model.modules() if isinstance(m, ShardedDropout)]
+        out[layout] = (len(sharded), len({id(m.rng) for m in sharded}), {m.rng.seed for m in sharded},
+                       type(model.blocks[0].attn.resid_dropout).__name__, type(model.dropout).__name__)
+    return out
+
+
+def test_a_model_shares_one_stream_per_rank():
+    results = run(stream_worker, 2, backend="gloo", show_output=False)
+    for rank, r in enumerate(results):
+        for layout in ("tp", "dtensor"):   # one attention dropout per block, all drawing from one generator
+            assert r[layout] == (SMALL.layers, 1, {2718 + rank}, "Dropout", "Dropout"), (layout, r[layout])
+
+
+def test_sharded_dropout_alone():
+    from course_lib.tensor_parallel import RankGenerator, ShardedDropout, use_sharded_dropout
+    model = use_sharded_dropout(transformer(SMALL.with_(dropout=0.5)), RankGenerator(0, 1), True)
+    assert type(model.dropout) is nn.Dropout   # the embeddings' dropout acts on whole activations
+    assert all(isinstance(m, ShardedDropout) for b in model.blocks
+               for m in (b.attn.attn_dropout, b.attn.resid_dropout, b.mlp.dropout))
+    rng = RankGenerator(0, 0)
+    a, b = ShardedDropout(0.5, rng), ShardedDropout(0.5, rng)
+    x = torch.ones(64)
+    assert not torch.equal(a(x), b(x))                                   # one stream: the second draws further on
+    assert set(a(x).unique().tolist()) <= {0.0, 2.0} and torch.equal(a.eval()(x), x)
+    again = ShardedDropout(0.5, RankGenerator(0, 0))
+    assert torch.equal(again(x), ShardedDropout(0.5, RankGenerator(0, 0))(x))   # a seed, its masks: reproducible
+    with pytest.raises(TypeError, match="RankGenerator"):
+        ShardedDropout(0.5, 0)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        ShardedDropout(1.0, rng)
 
 
 def test_sequence_parallelism_shards_the_layernorm_and_dropout_activations():
     from course_lib.tensor_parallel.sequence import activation_worker
     b, s, d, n = 2, SMALL.seq_len, SMALL.dim, 2
-    kept = {sp: run(activation_worker, n, SMALL, sp, backend="gloo", show_output=False)[0] for sp in (False, True)}
+    kept, with_dropout = run(activation_worker, n, [SMALL, SMALL.with_(dropout=0.1)], backend="gloo",
+                             show_output=False)[0]
     stats = lambda saved, seq: [x for x in saved if x.shape == (b, seq, 1)]  # noqa: E731  LayerNorm mean, 1/std
     assert len(stats(kept[False], s)) == 4 and stats(kept[True], s) == [] and len(stats(kept[True], s // n)) == 4
     total = {sp: sum(x.nbytes for x in saved) for sp, saved in kept.items()}
     # the two LayerNorms' inputs (b, s, d) and statistics (4 of (b, s)) shrink to s/N positions; nothing else changes
     assert total[False] - total[True] == (n - 1) / n * (2 * b * s * d + 4 * b * s) * 4
-    with_dropout = run(activation_worker, n, SMALL.with_(dropout=0.1), True, backend="gloo", show_output=False)[0]
-    masks = [x for x in with_dropout if x.dtype == "bool" and x.shape == (b, s // n, d)]
-    assert len(masks) == 2   # the residual dropouts' masks: a sequence slice each
+    masks = [x for x in with_dropout[True] if x.dtype == "bool" and x.shape == (b, s // n, d)]
+    assert len(masks) == 2   # the residual dropouts' masks: a sequence slice each...
+    count = lambda saved, shape: sum(1 for x in saved if x.shape == shape)  # noqa: E731
+    assert count(with_dropout[False], (b, s, d)) - count(kept[False], (b, s, d)) == 2   # ...whole without SP
 
 
 def test_saved_tensors_counts_each_storage_once_and_skips_parameters():
@@ -286,6 +376,9 @@ def test_pictures_show_who_holds_what():
     down = holders(weights[names[1]][1], 32)             # (4, 8): TP splits the columns, FSDP2 the rows
     assert [down[i] for i in (0, 4, 16, 20)] == [[0], [1], [2], [3]]
     assert all(h in ([0, 1], [2, 3]) for h in holders(weights[names[2]][1], 32))   # FSDP2 only: pairs share
+    # FSDP2 cut each tp half, so dp's shard of the whole weight is interleaved: a strided shard
+    assert held[0][names[0]][2].startswith("(_StridedShard(dim=0") and held[0][names[0]][2].endswith(", Shard(dim=0))")
+    assert held[0][names[1]][2] == "(Shard(dim=0), Shard(dim=1))" and held[0][names[2]][2] == "(Shard(dim=0),)"
     assert len(draw_holdings(weights).axes) == 4
 
 
@@ -298,6 +391,17 @@ def test_the_benchmark_worker_times_both_versions():
     spec.loader.exec_module(bench)
     times = run(bench.worker, 2, 32, 256, 2, 1, backend="gloo", show_output=False)[0]
     assert set(times) == {"from scratch", "parallelize_module"} and all(t > 0 for t in times.values())
+
+
+def test_korthikanti_activation_formulas():
+    from course_lib.tensor_parallel.sequence import korthikanti_activation_bytes as act
+    s, b, h, a = 2048, 1, 12288, 96               # GPT-3: 5as/h = 80
+    sbh = s * b * h
+    assert act(s, b, h, a) == pytest.approx(sbh * (34 + 80)) == act(s, b, h, a, 1, True)   # t=1: SP changes nothing
+    assert act(s, b, h, a, 8) == pytest.approx(sbh * (10 + 24 / 8 + 80 / 8))
+    assert act(s, b, h, a, 8, True) == pytest.approx(sbh * (34 / 8 + 80 / 8))
+    assert act(s, b, h, a, 8, True, attention_scores=False) == pytest.approx(sbh * 34 / 8)
+    assert act(s, b, h, a, 8, False, attention_scores=False) == pytest.approx(sbh * (10 + 24 / 8))
 
 
 def test_the_cost_model_counts_what_the_layers_send_and_prices_nodes_with_two_levels():

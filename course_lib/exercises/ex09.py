@@ -36,10 +36,14 @@ def probe(rank, world_size, fn):
 
 
 def in_an_mlp(rank, world_size, fn):
-    """Worker: ``fn`` entering a column → row MLP; the input gradient next to the unsplit MLP's."""
+    """Worker: ``fn`` entering a column → row MLP; the input gradient next to the unsplit MLP's.
+
+    In float64, like the probe: the split MLP adds in another order than the unsplit one, and float32's
+    rounding (~1e-7 relative) would leave a correct ``f`` little margin under the check's tolerance.
+    """
     torch.manual_seed(0)
-    mlp = MLP(8, 16)
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    mlp = MLP(8, 16).double()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x_full = x.clone().requires_grad_()
     mlp(x_full).pow(2).sum().backward()
     up = ColumnParallelLinear(mlp.up, entry="none")       # no f inside: the learner's f is the entry
@@ -50,6 +54,7 @@ def in_an_mlp(rank, world_size, fn):
 
 
 def _close(a, b) -> bool:
+    """Equal up to float64 rounding (both workers compute in float64)."""
     return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-9)
 
 

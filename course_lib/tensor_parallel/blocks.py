@@ -13,6 +13,10 @@ the point of tensor parallelism: the maths is the same, only who holds which sli
 
 With ``sequence_parallel=True`` the block's input and output are slices of the *sequence* instead of whole
 (:mod:`.sequence`): the edges become all-gather / reduce-scatter, and dropout there acts on sharded data.
+
+Dropout on sharded activations draws from ``rng``, a :class:`~.random.RankGenerator`: give every block of a
+model the **same** one (as :func:`tensor_parallel_transformer` does), so that its stream advances from block
+to block; the others draw from the global generator, seeded alike on every rank.
 """
 from __future__ import annotations
 
@@ -24,31 +28,32 @@ import torch.nn as nn
 from ..models.transformer import MLP, Block, CausalSelfAttention, Transformer
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .operators import f, gather_sequence, group_rank_and_size
-from .random import ShardedDropout
+from .random import RankGenerator, use_sharded_dropout
 
 
-def _residual_dropout(p: float, sequence_parallel: bool, seed: int, rank: int) -> nn.Module:
-    """Dropout on a block's output: whole on every rank (same mask) or, in sequence parallelism, a slice."""
-    return ShardedDropout(p, seed, rank) if sequence_parallel else nn.Dropout(p)
+def _rank_generator(rng: RankGenerator | None, group) -> RankGenerator:
+    """``rng``, or a stream of this rank's own (seed 0) for a module built alone."""
+    return rng if rng is not None else RankGenerator(0, group_rank_and_size(group)[0])
 
 
 class ParallelMLP(MLP):
     """This rank's ``hidden/N`` units of an :class:`~course_lib.models.MLP`; ``forward`` is MLP's own."""
 
-    def __init__(self, mlp: MLP, group=None, sequence_parallel: bool = False, seed: int = 0):
+    def __init__(self, mlp: MLP, group=None, sequence_parallel: bool = False, rng: RankGenerator | None = None):
         nn.Module.__init__(self)
-        rank, _ = group_rank_and_size(group)
         self.up = ColumnParallelLinear(mlp.up, group, entry="gather" if sequence_parallel else "copy")
         self.down = RowParallelLinear(mlp.down, group, exit="reduce_scatter" if sequence_parallel else "reduce")
-        self.dropout = _residual_dropout(mlp.dropout.p, sequence_parallel, seed, rank)
+        self.dropout = nn.Dropout(mlp.dropout.p)   # whole output: the global generator, alike on every rank...
+        use_sharded_dropout(self, _rank_generator(rng, group), sequence_parallel)   # ...unless a sequence slice
 
 
 class ParallelAttention(CausalSelfAttention):
     """This rank's ``heads/N`` heads of a :class:`~course_lib.models.CausalSelfAttention`."""
 
-    def __init__(self, attn: CausalSelfAttention, group=None, sequence_parallel: bool = False, seed: int = 0):
+    def __init__(self, attn: CausalSelfAttention, group=None, sequence_parallel: bool = False,
+                 rng: RankGenerator | None = None):
         nn.Module.__init__(self)
-        rank, n = group_rank_and_size(group)
+        _, n = group_rank_and_size(group)
         heads = attn.q.out_features // attn.head_dim
         if heads % n:
             raise ValueError(f"{heads} heads do not divide by the {n} ranks of the group: tensor parallelism gives "
@@ -56,8 +61,8 @@ class ParallelAttention(CausalSelfAttention):
         self.group, self.sequence_parallel, self.head_dim = group, sequence_parallel, attn.head_dim
         self.q, self.k, self.v = (ColumnParallelLinear(lin, group, entry="none") for lin in (attn.q, attn.k, attn.v))
         self.out = RowParallelLinear(attn.out, group, exit="reduce_scatter" if sequence_parallel else "reduce")
-        self.attn_dropout = ShardedDropout(attn.attn_dropout.p, seed, rank)   # this rank's heads: its own masks
-        self.resid_dropout = _residual_dropout(attn.resid_dropout.p, sequence_parallel, seed, rank)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(attn.attn_dropout.p), nn.Dropout(attn.resid_dropout.p)
+        use_sharded_dropout(self, _rank_generator(rng, group), sequence_parallel)   # this rank's heads: own masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, 1, self.group) if self.sequence_parallel else f(x, self.group)
@@ -67,20 +72,26 @@ class ParallelAttention(CausalSelfAttention):
 class ParallelBlock(Block):
     """A transformer block with its attention and MLP split; its LayerNorms whole on every rank."""
 
-    def __init__(self, block: Block, group=None, sequence_parallel: bool = False, seed: int = 0):
+    def __init__(self, block: Block, group=None, sequence_parallel: bool = False, rng: RankGenerator | None = None):
         nn.Module.__init__(self)
+        rng = _rank_generator(rng, group)   # one stream for the attention and the MLP
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = ParallelAttention(block.attn, group, sequence_parallel, seed)
-        self.mlp = ParallelMLP(block.mlp, group, sequence_parallel, seed)
+        self.attn = ParallelAttention(block.attn, group, sequence_parallel, rng)
+        self.mlp = ParallelMLP(block.mlp, group, sequence_parallel, rng)
         if sequence_parallel:   # each rank normalises only its slice of the sequence: partial gradients
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 p.sequence_parallel = True
 
 
 def tensor_parallel_transformer(model: Transformer, group=None, seed: int = 0) -> Transformer:
-    """A copy of ``model`` whose blocks' attention and MLP are split over ``group`` (the rest is whole)."""
+    """A copy of ``model`` whose blocks' attention and MLP are split over ``group`` (the rest is whole).
+
+    Every block's sharded dropouts draw from one :class:`~.random.RankGenerator` (``seed``, this rank): one
+    stream per rank, advancing across the blocks and the steps, as Megatron-LM's random tracker does.
+    """
+    rng = RankGenerator(seed, group_rank_and_size(group)[0])
     out = copy.deepcopy(model)
-    out.blocks = nn.ModuleList(ParallelBlock(b, group, seed=seed) for b in model.blocks)
+    out.blocks = nn.ModuleList(ParallelBlock(b, group, rng=rng) for b in model.blocks)
     return out
 
 

@@ -5,7 +5,9 @@ backward on one input, then runs the split version, from scratch or with ``paral
 without sequence parallelism, and returns the largest difference of the output, the input's gradient and each
 parameter's gradient (compared with the slice of the unsplit gradient this rank holds).
 
-:func:`dropout_worker` records the dropout masks each rank draws, to show which must agree across ranks.
+:func:`dropout_worker` records the dropout masks each rank draws, block after block and step after step, to show
+which must agree across ranks and that none repeats. :func:`grad_placements_worker` shows where DTensor leaves
+the gradients under sequence parallelism.
 """
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ from .. import hardware
 from ..models.transformer import MLP, Block, CausalSelfAttention, TransformerConfig
 from . import dtensor as D
 from .blocks import ParallelAttention, ParallelBlock, ParallelMLP, expected_shards
-from .operators import group_rank_and_size
+from .random import RankGenerator, use_sharded_dropout
 from .sequence import sync_sequence_parallel_grads
 
 KINDS = ("mlp", "attention", "block")
-LAYOUTS = ("scratch", "dtensor")
+LAYOUTS = ("scratch", "dtensor", "dtensor-unprepared")   # the last: attention without its PrepareModuleInput
 
 
 def unsplit(kind: str, cfg: TransformerConfig, seed: int = 0) -> nn.Module:
@@ -39,14 +41,19 @@ def unsplit(kind: str, cfg: TransformerConfig, seed: int = 0) -> nn.Module:
     raise ValueError(f"unknown block {kind!r}: use one of {KINDS}")
 
 
-def split(kind: str, full: nn.Module, layout: str, sequence_parallel: bool = False, mesh=None) -> nn.Module:
-    """``full`` split over the default group: from scratch (``scratch``) or by ``parallelize_module`` (``dtensor``)."""
+def split(kind: str, full: nn.Module, layout: str, sequence_parallel: bool = False, mesh=None,
+          rng: RankGenerator | None = None) -> nn.Module:
+    """``full`` split over the default group: from scratch (``scratch``) or by ``parallelize_module`` (``dtensor``;
+    ``dtensor-unprepared``: attention without its ``PrepareModuleInput``). Dropouts on sharded activations draw
+    from ``rng`` (by default a stream of this rank's own) in both."""
     if layout == "scratch":
         cls = {"mlp": ParallelMLP, "attention": ParallelAttention, "block": ParallelBlock}[kind]
-        return cls(full, sequence_parallel=sequence_parallel)
-    if layout == "dtensor":
+        return cls(full, sequence_parallel=sequence_parallel, rng=rng)
+    if layout in ("dtensor", "dtensor-unprepared"):
+        prepare = {} if kind == "mlp" else {"prepare_input": layout == "dtensor"}
         plan = {"mlp": D.mlp_plan, "attention": D.attention_plan, "block": D.block_plan}[kind]
-        return D.parallelize(copy.deepcopy(full), mesh, plan(sequence_parallel=sequence_parallel))
+        part = D.parallelize(copy.deepcopy(full), mesh, plan(sequence_parallel=sequence_parallel, **prepare))
+        return use_sharded_dropout(part, rng or RankGenerator(0, mesh.get_local_rank()), sequence_parallel)
     raise ValueError(f"unknown layout {layout!r}: use one of {LAYOUTS}")
 
 
@@ -70,7 +77,7 @@ def compare_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]
     cfg = cfg or TransformerConfig()
     device = hardware.rank_device()
     mesh = None
-    if any(layout == "dtensor" for _, layout, _ in cases):
+    if any(layout != "scratch" for _, layout, _ in cases):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (world_size,))
     g = torch.Generator().manual_seed(seed + 1)
@@ -101,36 +108,88 @@ def compare_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]
     return results
 
 
-def dropout_worker(rank: int, world_size: int, p: float = 0.5, same_global_seed: bool = True,
-                   sharded_masks_per_rank: bool = True, cfg: TransformerConfig | None = None,
-                   seed: int = 0) -> dict:
-    """One training-mode forward of a split block with dropout ``p``: the masks each rank drew.
-
-    ``same_global_seed``: every rank seeds the global generator alike (the rule for replicated activations).
-    ``sharded_masks_per_rank``: attention's dropout draws from a per-rank generator (the rule for sharded ones);
-    ``False`` replaces it by a plain ``nn.Dropout``, drawing from the global generator like everything else.
-    Returns the attention-probability masks of this rank's heads (``sharded``), the block's output-side masks
-    (``replicated``), and the block's output.
-    """
-    cfg = cfg or TransformerConfig(seq_len=8)
-    _, n = group_rank_and_size()
+def _draw_masks(rank: int, world_size: int, mesh, layout: str, sequence_parallel: bool, sharded_masks_per_rank: bool,
+                same_global_seed: bool, p: float, layers: int, steps: int, cfg: TransformerConfig, seed: int) -> dict:
+    """One case of :func:`dropout_worker`."""
     device = hardware.rank_device()
-    block = ParallelBlock(unsplit("block", cfg.with_(dropout=p), seed).to(device), seed=seed).train()
-    if not sharded_masks_per_rank:
-        block.attn.attn_dropout = nn.Dropout(p)
-    masks: dict[str, list[torch.Tensor]] = {"sharded": [], "replicated": []}
+    rng = RankGenerator(seed, rank)   # one stream for all the blocks, as in a model
+    blocks = [split("block", unsplit("block", cfg.with_(dropout=p), seed + i).to(device), layout,
+                    sequence_parallel, mesh, rng).train() for i in range(layers)]
+    masks: dict[str, list[torch.Tensor]] = {"attention": [], "residual": []}
 
     def record(name):
         def hook(module, inputs, output):
             masks[name].append(((output != 0) | (inputs[0] == 0)).cpu())   # kept, or zero anyway
         return hook
 
-    block.attn.attn_dropout.register_forward_hook(record("sharded"))
-    block.attn.resid_dropout.register_forward_hook(record("replicated"))
-    block.mlp.dropout.register_forward_hook(record("replicated"))
+    for block in blocks:
+        if not sharded_masks_per_rank:
+            block.attn.attn_dropout, block.attn.resid_dropout, block.mlp.dropout = (nn.Dropout(p) for _ in range(3))
+        block.attn.attn_dropout.register_forward_hook(record("attention"))
+        block.attn.resid_dropout.register_forward_hook(record("residual"))
+        block.mlp.dropout.register_forward_hook(record("residual"))
     torch.manual_seed(seed + (0 if same_global_seed else 1 + rank))
     x = torch.randn(2, cfg.seq_len, cfg.dim, generator=torch.Generator().manual_seed(seed)).to(device)
+    if sequence_parallel:
+        x = x.chunk(world_size, 1)[rank]
+    outputs = []
     with torch.no_grad():
-        out = block(x).cpu()
-    return {"sharded": masks["sharded"][0], "replicated": masks["replicated"], "output": out,
-            "heads": cfg.heads // n}
+        for _ in range(steps):
+            h = x
+            for block in blocks:
+                h = D.local(block(h))
+            outputs.append(h.cpu())
+    att, res = masks["attention"], masks["residual"]
+    return {"attention": [att[s * layers:(s + 1) * layers] for s in range(steps)],
+            "residual": [[res[2 * (s * layers + b):2 * (s * layers + b) + 2] for b in range(layers)]
+                         for s in range(steps)],
+            "output": outputs}
+
+
+def dropout_worker(rank: int, world_size: int, cases: list[tuple[str, bool, bool, bool]], p: float = 0.5,
+                   layers: int = 2, steps: int = 2, cfg: TransformerConfig | None = None, seed: int = 0) -> dict:
+    """``steps`` training-mode forwards of ``layers`` split blocks with dropout ``p``: the masks each rank drew.
+
+    For each case ``(layout, sequence_parallel, sharded_masks_per_rank, same_global_seed)``:
+
+    * ``layout``: ``"scratch"`` or ``"dtensor"``, split as :func:`split` does, the blocks' sharded dropouts
+      sharing one :class:`~.random.RankGenerator` (``seed``, this rank), as in a model;
+    * ``sharded_masks_per_rank=False`` makes every dropout a plain ``nn.Dropout`` on the global generator (what
+      ``parallelize_module`` gives as it is);
+    * ``same_global_seed``: every rank seeds the global generator alike (the rule for replicated activations).
+
+    Returns ``{case: result}``; each result holds, indexed ``[step][block]``, the attention-probability masks of
+    this rank's heads (``attention``) and the residual branches' two masks (``residual``: whole activations, or
+    sequence slices under sequence parallelism), and the last block's output at each step (``output``).
+    """
+    cfg = cfg or TransformerConfig(seq_len=8)
+    mesh = None
+    if any(layout != "scratch" for layout, *_ in cases):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(hardware.rank_device().type, (world_size,))
+    return {case: _draw_masks(rank, world_size, mesh, *case, p, layers, steps, cfg, seed) for case in cases}
+
+
+def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | None = None, batch: int = 2,
+                           seed: int = 0) -> dict:
+    """A block split by ``parallelize_module`` with sequence parallelism, after one backward: each parameter's
+    placement and its gradient's (``placements``), and the total gradient norm, as gradient clipping computes it
+    (``norm``, with the collectives it ran, ``norm collectives``), next to the unsplit block's (``unsplit norm``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .comm import CollectiveLog
+
+    cfg = cfg or TransformerConfig()
+    device = hardware.rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, cfg.seq_len, cfg.dim, generator=g).to(device)
+    full = unsplit("block", cfg, seed).to(device)
+    full(x).square().sum().backward()
+    part = split("block", full, "dtensor", True, mesh)
+    D.local(part(x.chunk(world_size, 1)[rank])).square().sum().backward()
+    with CollectiveLog() as log:
+        norm = D.full(torch.nn.utils.get_total_norm([p.grad for p in part.parameters()])).item()
+    return {"placements": {k: (str(p.placements), str(p.grad.placements)) for k, p in part.named_parameters()},
+            "norm": norm, "norm collectives": [r.kind for r in log.records],
+            "unsplit norm": torch.nn.utils.get_total_norm([p.grad for p in full.parameters()]).item()}

@@ -3,6 +3,9 @@
 :class:`CollectiveLog` is a ``TorchDispatchMode``: while it is active it sees every operator that runs,
 including the collectives that ``torch.distributed`` issues (``c10d.allreduce_``...) and those DTensor issues
 (``_c10d_functional.all_reduce``...). So it counts the from-scratch layers and ``parallelize_module``'s alike.
+An operator on DTensors is first handed back to DTensor (a mode runs before a tensor subclass), so that the
+collectives DTensor runs *inside* it (the norm of a ``Partial`` gradient...) come back here and are counted too,
+as ``torch.distributed.tensor.debug.CommDebugMode`` does.
 
 Bytes each rank sends, for a collective over N ranks of a tensor of n bytes (the whole tensor: the all-gather's
 output, the reduce-scatter's input), done as a ring as in notebook 02
@@ -11,7 +14,9 @@ output, the reduce-scatter's input), done as a ring as in notebook 02
 * all-reduce: 2(N-1)/N · n in 2(N-1) steps;
 * all-gather, reduce-scatter: each is one half of the ring all-reduce, (N-1)/N · n in N-1 steps.
 
-The α-β model of notebook 02 then prices each one (:func:`course_lib.comm.costmodel.predict`).
+The α-β model of notebook 02 then prices each one (:func:`course_lib.comm.costmodel.predict`). These are the
+bytes of the ring algorithm, not what a backend sends: Gloo, for one, runs a reduce-scatter as an all-reduce
+(notebook 08 shows it).
 
 That is why sequence parallelism's all-gather + reduce-scatter costs what tensor parallelism's all-reduce did.
 """
@@ -21,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.costmodel import steps_and_volume
@@ -74,6 +80,8 @@ class CollectiveLog(TorchDispatchMode):
         self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented   # DTensor runs it, and its collectives on local tensors come back here
         out = func(*args, **(kwargs or {}))
         kind = kind_of(func.name())
         if kind is not None:
@@ -101,17 +109,23 @@ class CollectiveLog(TorchDispatchMode):
 
 def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], cfg=None,
                        batch: int = 2, seed: int = 0) -> dict:
-    """For each ``(kind, layout, sequence_parallel)`` (see :mod:`.check`): the collectives of one forward and
-    one backward of the split block, as ``[(kind, bytes, phase), ...]``."""
+    """For each ``(kind, layout, sequence_parallel)`` (see :mod:`.check`): the collectives of one forward, one
+    backward and the gradients' synchronisation of the split block, as ``[(kind, bytes, phase), ...]``.
+
+    The last phase, ``"gradient sync"``, is sequence parallelism's all-reduce of the partial gradients: the
+    from-scratch layers' :func:`~.sequence.sync_sequence_parallel_grads`; DTensor's deferred reduction of its
+    ``Partial`` gradients, asked for by :func:`.dtensor.local_grad` (as an optimizer's step would).
+    """
     from .. import hardware
     from ..models.transformer import TransformerConfig
     from . import dtensor as D
     from .check import split, unsplit
+    from .sequence import sync_sequence_parallel_grads
 
     cfg = cfg or TransformerConfig()
     device = hardware.rank_device()
     mesh = None
-    if any(layout == "dtensor" for _, layout, _ in cases):
+    if any(layout != "scratch" for _, layout, _ in cases):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (world_size,))
     out = {}
@@ -123,5 +137,11 @@ def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, b
             y = D.local(part(x))
             with log.during("backward"):
                 y.sum().backward()
+            with log.during("gradient sync"):
+                if layout == "scratch":
+                    sync_sequence_parallel_grads(part)
+                else:
+                    for p in part.parameters():
+                        D.local_grad(p)
         out[kind, layout, sp] = [(r.kind, r.nbytes, r.phase) for r in log.records]
     return out

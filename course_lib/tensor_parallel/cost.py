@@ -3,7 +3,11 @@
 Per transformer layer and training step, Megatron-style tensor parallelism over t ranks runs **four
 all-reduces** of one activation (batch × seq × hidden values): one after attention and one after the MLP in the
 forward pass, one at the entry of each in the backward pass (:func:`layer_collectives`; the notebook counts them).
-They sit on the critical path: the next layer cannot start before the sum arrives.
+Written plainly, as here, they sit on the critical path: the next layer cannot start before the sum arrives.
+Production code hides part of them: Megatron-LM runs ``f``'s backward all-reduce while it computes the weight
+gradient, and overlaps sequence parallelism's collectives with the matrix products (``--tp-comm-overlap``);
+PyTorch's async tensor parallelism (``torch.compile`` with symmetric memory) splits the matrix products into
+pieces that overlap the all-gather and reduce-scatter. :func:`layer_time` counts no overlap: an upper bound.
 
 The layer's matrix products cost about 2·(4h² + 2·m·h²) FLOPs per token forward (q, k, v, out; up, down with
 an MLP m times wider), plus 4·s·h for the attention scores and their use, and twice that backward
@@ -16,11 +20,17 @@ from __future__ import annotations
 
 from ..comm.costmodel import predict, predict_two_level
 
-# Published figures (vendors' data sheets), not measured here. α values are assumptions (as in notebook 02).
-H100_BF16_DENSE_FLOPS = 989e12          # NVIDIA H100 SXM5, bf16 tensor cores, dense
+# Published figures, not measured here; α values are assumptions (as in notebook 02). Sources:
+# * NVIDIA H100 Tensor Core GPU data sheet, H100 SXM column: BF16 Tensor Core 1,979 TFLOPS *with sparsity*,
+#   so 989 dense; NVLink 900 GB/s per GPU (both directions together).
+# * NVIDIA DGX H100 data sheet: 8 H100 GPUs joined by NVLink/NVSwitch (one NVLink domain per node), and
+#   8 single-port ConnectX-7 adapters, 400 Gb/s InfiniBand NDR each: one port per GPU.
+# The NVLink domain is hardware-specific: 8 GPUs in an HGX/DGX H100 node, 72 in a GB200 NVL72 rack (NVLink 5,
+# other figures): there "inside a node" means inside the rack. This module prices the H100 node only.
+H100_BF16_DENSE_FLOPS = 989e12          # H100 SXM, bf16 tensor cores, dense
 GPUS_PER_NODE = 8                       # one NVLink domain: the 8 GPUs of an HGX/DGX H100 node
 NVLINK = (2e-6, 1 / 450e9)              # NVLink 4: 900 GB/s per GPU both ways, 450 GB/s per direction; α assumed
-INFINIBAND = (5e-6, 1 / 50e9)           # one 400 Gb/s NDR InfiniBand port per GPU: 50 GB/s per direction; α assumed
+INFINIBAND = (5e-6, 1 / 50e9)           # one 400 Gb/s NDR port per GPU: 400/8 = 50 GB/s per direction; α assumed
 
 
 def layer_collectives(batch: int, seq: int, hidden: int, value_bytes: int = 2) -> list[tuple[str, int, str]]:

@@ -7,7 +7,8 @@ dimension of the mesh with a *placement*:
 * ``Shard(d)``: the tensor is cut along its dimension ``d``; each rank of that mesh dimension holds a piece;
 * ``Replicate()``: each rank holds all of it;
 * ``Partial()``: each rank holds a tensor of the full shape, and the value is their **sum** (a row-parallel
-  layer's output before ``g``).
+  layer's output before ``g``); ``Partial("avg")``, ``"max"``, ``"min"``... reduce otherwise, and DTensor's own
+  ops make more (the norm of a ``Shard`` tensor is a partial norm, reduced by a norm of the parts).
 
 ``redistribute`` moves between placements with the collective it takes: Shard → Replicate is an all-gather,
 Partial → Replicate an all-reduce, Partial → Shard a reduce-scatter, Replicate → Shard a local slice.
@@ -17,6 +18,15 @@ layers: ``ColwiseParallel`` (weight ``Shard(0)``: Megatron's column-parallel, wi
 ``RowwiseParallel`` (weight ``Shard(1)``, output ``Partial`` made ``Replicate``: ``g``), ``SequenceParallel``
 (a LayerNorm on ``Shard(1)`` activations), and ``PrepareModuleInput`` (redistribute a module's input: the
 all-gather before attention or the MLP).
+
+Two things the plans do not do alike with the from-scratch layers:
+
+* ``ColwiseParallel`` hands back plain local tensors, so a dropout on them (attention's, on this rank's heads)
+  draws from the global generator, the same on every rank: :func:`.random.use_sharded_dropout` gives those
+  dropouts the per-rank stream (DTensor's own random tracker covers random ops on DTensors only, and only on
+  CUDA-like devices);
+* under sequence parallelism DTensor leaves the LayerNorms' gradients ``Partial`` until something reads them,
+  and computes the row-parallel biases' gradients whole (``Replicate``), from the all-gathered output gradient.
 """
 from __future__ import annotations
 
@@ -39,21 +49,30 @@ def mlp_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
             f"{prefix}down": RowwiseParallel(output_layouts=Shard(1))}  # reduce-scatter to a sequence slice
 
 
-def attention_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
-    """``q``, ``k``, ``v`` column-wise (whole heads per rank), ``out`` row-wise."""
+def attention_plan(prefix: str = "", sequence_parallel: bool = False, prepare_input: bool = True) -> dict:
+    """``q``, ``k``, ``v`` column-wise (whole heads per rank), ``out`` row-wise.
+
+    ``prepare_input=False`` leaves out the ``PrepareModuleInput`` (to see what it saves: two all-reduces in
+    each backward pass); without it the sequence cannot be gathered, so it needs ``sequence_parallel=False``.
+    """
+    if not prepare_input and sequence_parallel:
+        raise ValueError("sequence parallelism needs the PrepareModuleInput that gathers the sequence: "
+                         "use prepare_input=True")
     plan = {f"{prefix}{name}": ColwiseParallel() for name in ("q", "k", "v")}
     plan[f"{prefix}out"] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
     # The three projections share one input: make it a DTensor once, before them (gathering the sequence
     # first under sequence parallelism). Their input gradients then add up as one Partial DTensor, reduced
     # once: one all-reduce backward, like f applied once, instead of one per projection.
-    plan[prefix.rstrip(".")] = PrepareModuleInput(input_layouts=(Shard(1) if sequence_parallel else Replicate(),),
-                                                  desired_input_layouts=(Replicate(),))
+    if prepare_input:
+        plan[prefix.rstrip(".")] = PrepareModuleInput(
+            input_layouts=(Shard(1) if sequence_parallel else Replicate(),), desired_input_layouts=(Replicate(),))
     return plan
 
 
-def block_plan(prefix: str = "", sequence_parallel: bool = False) -> dict:
+def block_plan(prefix: str = "", sequence_parallel: bool = False, prepare_input: bool = True) -> dict:
     """A transformer block: attention and MLP split; with sequence parallelism, the LayerNorms on sequence slices."""
-    plan = {**attention_plan(f"{prefix}attn.", sequence_parallel), **mlp_plan(f"{prefix}mlp.", sequence_parallel)}
+    plan = {**attention_plan(f"{prefix}attn.", sequence_parallel, prepare_input),
+            **mlp_plan(f"{prefix}mlp.", sequence_parallel)}
     if sequence_parallel:
         plan[f"{prefix}ln1"] = SequenceParallel()
         plan[f"{prefix}ln2"] = SequenceParallel()

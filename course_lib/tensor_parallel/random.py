@@ -1,6 +1,6 @@
 """Random numbers under tensor parallelism: which dropout masks must agree across ranks, and which must not.
 
-The rule (Megatron-LM's, and what DTensor's random tracker does for sharded tensors):
+The rule (Megatron-LM's, and what DTensor's random tracker does for random ops on sharded DTensors):
 
 * An activation every rank of the group holds **whole** (the output of a row-parallel layer, the residual
   stream) must get the **same** mask on every rank; otherwise the ranks' copies drift apart silently and
@@ -9,12 +9,20 @@ The rule (Megatron-LM's, and what DTensor's random tracker does for sharded tens
 * An activation split across the group (attention probabilities of this rank's heads, anything inside a
   sequence-parallel region) must get a **different** mask on each rank; with one shared generator, head 0 on
   rank 0 and head 0 on rank 1 would be dropped at the same places: correlated, not independent, dropout.
-  :class:`ShardedDropout` draws its masks from a generator of its own, seeded by the rank.
+
+Megatron-LM keeps, on each rank, two random states: the default one (seeded alike across the tensor-parallel
+group, for replicated activations) and one "model-parallel" state seeded ``seed + 2718 + tp_rank``, which
+every dropout of a sharded region draws from in turn (its ``get_cuda_rng_tracker().fork()``). Being **one**
+state per rank that advances with each draw matters as much as the seed: block 0 and block 1 then get
+different masks, and so does every step. :class:`RankGenerator` is that state; one of them is shared by every
+:class:`ShardedDropout` of a model (:func:`use_sharded_dropout` puts them in place).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from ..models.transformer import MLP, CausalSelfAttention
 
 RANK_OFFSET = 2718   # Megatron's offset between the shared seed and the per-rank ones
 
@@ -24,27 +32,71 @@ def sharded_seed(seed: int, rank: int) -> int:
     return seed + RANK_OFFSET + rank
 
 
-class ShardedDropout(nn.Module):
-    """Dropout for a tensor split across ranks: masks drawn from a generator seeded by ``seed`` and ``rank``.
+class RankGenerator:
+    """One random stream per rank of a tensor-parallel group, for the dropouts of its sharded regions.
 
-    It scales kept values by ``1/(1-p)`` like ``nn.Dropout``; ``eval()`` makes it the identity. The generator
-    lives on the input's device and advances with every call, so successive steps get new masks.
+    Seeded ``sharded_seed(seed, rank)``; every :class:`ShardedDropout` given this object draws from the same
+    generator, one after the other, so no two layers and no two steps reuse a mask. Build **one** per model
+    (per rank) and pass it to every block; two objects with equal seeds repeat each other's masks.
     """
 
-    def __init__(self, p: float, seed: int, rank: int):
+    def __init__(self, seed: int, rank: int):
+        self.seed, self.rank = sharded_seed(seed, rank), rank
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The stream on ``device`` (created, seeded, on first use; then it only advances)."""
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def __repr__(self) -> str:
+        return f"RankGenerator(rank={self.rank}, seed={self.seed})"
+
+
+class ShardedDropout(nn.Module):
+    """Dropout for a tensor split across ranks: masks drawn from this rank's :class:`RankGenerator`.
+
+    It scales kept values by ``1/(1-p)`` like ``nn.Dropout``; ``eval()`` makes it the identity. The generator
+    is shared with the model's other sharded dropouts and advances with every call.
+    """
+
+    def __init__(self, p: float, rng: RankGenerator):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p, self.seed, self.rank = p, sharded_seed(seed, rank), rank
-        self._generator: torch.Generator | None = None
+        if not isinstance(rng, RankGenerator):
+            raise TypeError(f"rng must be a RankGenerator (one per model and rank), got {type(rng).__name__}")
+        self.p, self.rng = p, rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self._generator is None or self._generator.device != x.device:
-            self._generator = torch.Generator(device=x.device).manual_seed(self.seed)
-        keep = torch.rand(x.shape, generator=self._generator, device=x.device) >= self.p
+        keep = torch.rand(x.shape, generator=self.rng.generator(x.device), device=x.device) >= self.p
         return x * keep / (1.0 - self.p)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, rank={self.rank}, seed={self.seed}"
+        return f"p={self.p}, {self.rng}"
+
+
+def use_sharded_dropout(module: nn.Module, rng: RankGenerator, sequence_parallel: bool = False) -> nn.Module:
+    """Give ``module``'s dropouts on sharded activations masks from ``rng``; returns ``module`` (changed in place).
+
+    Attention's dropout on the probabilities (``attn_dropout``: this rank's heads) always; with
+    ``sequence_parallel``, also the residual branches' dropouts (``resid_dropout``, the MLP's ``dropout``),
+    which then act on this rank's slice of the sequence. The others stay ``nn.Dropout`` on the global
+    generator, seeded alike across the group. Works on a block, an attention or MLP module, or a whole
+    model, split from scratch or by ``parallelize_module`` (whose ``ColwiseParallel`` hands attention plain
+    local tensors, so DTensor's own random tracker never sees them).
+    """
+    for sub in list(module.modules()):
+        if isinstance(sub, CausalSelfAttention):
+            names = ("attn_dropout", "resid_dropout") if sequence_parallel else ("attn_dropout",)
+        elif isinstance(sub, MLP) and sequence_parallel:
+            names = ("dropout",)
+        else:
+            continue
+        for name in names:
+            setattr(sub, name, ShardedDropout(getattr(sub, name).p, rng))
+    return module

@@ -25,14 +25,16 @@ import torch.nn as nn
 from ..models.transformer import Block
 from .blocks import ParallelBlock
 from .operators import gather_sequence, scatter_sequence
+from .random import RankGenerator
 
 
-def sequence_parallel_block(block: Block, group=None, seed: int = 0) -> ParallelBlock:
+def sequence_parallel_block(block: Block, group=None, rng: RankGenerator | None = None) -> ParallelBlock:
     """``block`` split over ``group``: tensor parallel inside, sequence parallel around.
 
     It takes this rank's slice of the sequence, ``(batch, seq/N, dim)``, and returns the same slice of the output.
+    ``rng``: the model's one :class:`~.random.RankGenerator` for this rank (shared by all its blocks).
     """
-    return ParallelBlock(block, group, sequence_parallel=True, seed=seed)
+    return ParallelBlock(block, group, sequence_parallel=True, rng=rng)
 
 
 def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
@@ -61,21 +63,44 @@ def join_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     return gather_sequence(x, 1, group)
 
 
-def activation_worker(rank: int, world_size: int, cfg, sequence_parallel: bool, batch: int = 2,
-                      seed: int = 0) -> list:
-    """The activations one split block keeps for backward on this rank (tensor parallel, with or without
-    sequence parallelism), measured by :func:`course_lib.memory.saved_tensors`."""
+def activation_worker(rank: int, world_size: int, cfgs: list, batch: int = 2, seed: int = 0) -> list[dict]:
+    """For each config of ``cfgs`` (a :class:`~course_lib.models.TransformerConfig`), the activations one split
+    block keeps for backward on this rank, measured by :func:`course_lib.memory.saved_tensors`:
+    ``{False: tensor parallel, True: with sequence parallelism}``, one dict per config."""
     from .. import hardware
     from ..memory import saved_tensors
     from ..models.transformer import Block
 
     device = hardware.rank_device()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel, seed=seed).to(device)
-    x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
-    if sequence_parallel:
-        x = x.chunk(world_size, 1)[rank].contiguous()
-    x.requires_grad_()
-    _, saved = saved_tensors(block, x, exclude=list(block.parameters()))
-    return saved
+    out = []
+    for cfg in cfgs:
+        kept = {}
+        for sequence_parallel in (False, True):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel).to(device)
+            x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
+            if sequence_parallel:
+                x = x.chunk(world_size, 1)[rank].contiguous()
+            x.requires_grad_()
+            kept[sequence_parallel] = saved_tensors(block, x, exclude=list(block.parameters()))[1]
+        out.append(kept)
+    return out
+
+
+def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                                 sequence_parallel: bool = False, attention_scores: bool = True) -> float:
+    """Bytes of activations one transformer layer keeps for backward: the formulas of Korthikanti et al. (2022,
+    "Reducing Activation Recomputation in Large Transformer Models", Table 2), for 16-bit activations and
+    1-byte dropout masks, with ``sbh = seq * batch * hidden``:
+
+    * tensor parallelism over ``tp`` ranks: ``sbh (10 + 24/tp + 5·a·s/(h·tp))``;
+    * with sequence parallelism: ``sbh (34/tp + 5·a·s/(h·tp))`` (``tp = 1``: ``sbh (34 + 5·a·s/h)``);
+    * ``attention_scores=False`` drops the ``5·a·s/h`` term: the ``heads × seq × seq`` scores, softmax and its
+      dropout mask not kept (the paper's selective recomputation; FlashAttention-style kernels keep none either).
+
+    Computed from the formula, not measured: :func:`activation_worker` measures this course's small block.
+    """
+    sbh = seq * batch * hidden
+    scores = 5 * heads * seq / hidden / tp if attention_scores else 0.0
+    return sbh * (34 / tp + scores) if sequence_parallel else sbh * (10 + 24 / tp + scores)

@@ -21,6 +21,7 @@ from ..data import make_token_dataset
 from ..models.transformer import LMTrainConfig, batch_indices, lm_loss, make_optimizer, transformer
 from .blocks import expected_shards, tensor_parallel_transformer
 from .dtensor import full, local, parallelize, transformer_plan
+from .random import RankGenerator, use_sharded_dropout
 
 LAYOUTS = ("tp", "dtensor", "2d")
 
@@ -36,6 +37,9 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
     if model is None:
         model = transformer(cfg.model, seed=cfg.seed)      # the same full model on every rank, then split
     model = model.to(device)
+    if layout in ("dtensor", "2d"):   # attention's dropout acts on this rank's heads: a stream per tp rank
+        tp_rank = dist.get_rank() % (tp if layout == "2d" else world_size)   # the mesh is (dp, tp), row-major
+        use_sharded_dropout(model, RankGenerator(cfg.seed, tp_rank))
     if layout == "tp":
         return tensor_parallel_transformer(model, seed=cfg.seed), 0, 1, None, None
     if layout == "dtensor":
@@ -110,7 +114,8 @@ def holdings_worker(rank: int, world_size: int, cfg: LMTrainConfig, names: list[
     """Which elements of each weight in ``names`` this rank holds in the 2-D layout.
 
     Every weight is set to its own element indices (``arange``) before the model is split, so the values of
-    this rank's shard name the elements it holds: ``{name: (full shape, local values)}``.
+    this rank's shard name the elements it holds: ``{name: (full shape, local values, placements)}``, the
+    placements as DTensor prints them, one per mesh dimension (dp, tp).
     """
     model = transformer(cfg.model, seed=cfg.seed)
     shapes = {}
@@ -120,4 +125,4 @@ def holdings_worker(rank: int, world_size: int, cfg: LMTrainConfig, names: list[
             p.copy_(torch.arange(p.numel(), dtype=p.dtype).view_as(p))
     model = build(cfg, "2d", world_size, tp, model)[0]
     params = dict(model.named_parameters())
-    return {name: (shapes[name], local(params[name]).detach().cpu()) for name in names}
+    return {name: (shapes[name], local(params[name]).detach().cpu(), str(params[name].placements)) for name in names}
