@@ -146,3 +146,8 @@ def test_uneven_inputs_hang_without_join_and_finish_with_it(no_leftovers):
     with pytest.raises(RunTimeoutError):
         run(ddp_features.uneven_inputs_worker, 2, False, backend="gloo", show_output=False, timeout=5)
     assert run(ddp_features.uneven_inputs_worker, 3, True, backend="gloo", show_output=False) == [3, 4, 5]
+
+
+def test_ddp_broadcasts_rank_0s_buffers_at_every_forward():
+    out = run(ddp_features.buffers_worker, 3, backend="gloo", show_output=False)
+    assert [o["own"] for o in out] == [0.0, 1.0, 2.0] and all(o["seen_in_forward"] == 0.0 for o in out)
