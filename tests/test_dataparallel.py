@@ -94,7 +94,7 @@ def test_checkpoint_from_rank_0_loads_everywhere(tmp_path):
 def test_atomic_save_keeps_the_old_checkpoint_when_a_save_fails(tmp_path):
     path = tmp_path / "ckpt.pt"
     checkpoint.save_atomic({"step": 1, "w": torch.ones(3)}, path)
-    with pytest.raises(pickle.PicklingError):
+    with pytest.raises((pickle.PicklingError, AttributeError)):    # a lambda cannot be pickled
         checkpoint.save_atomic({"step": 2, "bad": lambda: None}, path)  # cannot be pickled: fails mid-save
     assert checkpoint.load(path)["step"] == 1
     assert os.listdir(tmp_path) == ["ckpt.pt"]

@@ -322,7 +322,9 @@ def test_two_ranks_failing_at_once_do_not_wait_for_the_full_timeout(no_leftovers
 def test_the_process_groups_timeout_is_separate_from_the_runs_deadline(no_leftovers):
     def wait_in_recv(rank, world_size):
         if rank == 0:
-            dist.recv(torch.zeros(1), src=1)     # rank 1 never sends
+            dist.recv(torch.zeros(1), src=1)     # rank 1 never sends...
+        else:
+            time.sleep(60)                       # ...it is busy elsewhere
 
     with pytest.raises(RunTimeoutError):         # default: the run's deadline comes first, with every rank's stack
         run(wait_in_recv, 2, backend="gloo", timeout=3, show_output=False)
