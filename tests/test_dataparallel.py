@@ -151,3 +151,8 @@ def test_uneven_inputs_hang_without_join_and_finish_with_it(no_leftovers):
 def test_ddp_broadcasts_rank_0s_buffers_at_every_forward():
     out = run(ddp_features.buffers_worker, 3, backend="gloo", show_output=False)
     assert [o["own"] for o in out] == [0.0, 1.0, 2.0] and all(o["seen_in_forward"] == 0.0 for o in out)
+
+
+def test_the_side_by_side_scaling_worker_measures_both():
+    out = run(measure.side_by_side_worker, 2, 64, 2, 32, 2, 2, backend="gloo", threads=1, show_output=False)[0]
+    assert 1.0 <= out["concurrency"] <= 2.0 and out["speedup"] > 0 and out["efficiency"] > 0
