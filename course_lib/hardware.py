@@ -125,11 +125,12 @@ def check_backend(backend: str | None, local_world_size: int) -> str:
 
 
 def local_rank() -> int:
-    """This process's index on its machine: ``LOCAL_RANK`` as the launcher set it (``launch.run`` and
-    torchrun both do), else the global rank of a running process group, else 0."""
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """This process's index on its machine: ``LOCAL_RANK``, as every launcher sets it (``launch.run``, torchrun,
+    the SLURM script). Never the global rank: on the second node, global rank 8 is local rank 0."""
+    if "LOCAL_RANK" not in os.environ:
+        raise RuntimeError("LOCAL_RANK is not set: start the ranks with a launcher that sets it (torchrun, or "
+                           "course_lib.launch.run), or pass the local rank yourself")
+    return int(os.environ["LOCAL_RANK"])
 
 
 def device_for_rank(local_rank: int, backend: str | None = None) -> torch.device:
@@ -161,6 +162,12 @@ def synchronize(device: torch.device) -> None:
     a CPU has nothing to wait for)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix products run natively on ``device``: NVIDIA GPUs from Ampere on (compute capability 8.0,
+    bf16 tensor cores). Older GPUs (V100, T4) accept bf16 but emulate it: slower than fp32, not faster."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def map_device(requested: str | torch.device, verbose: bool = True) -> torch.device:

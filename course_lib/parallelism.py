@@ -18,7 +18,8 @@ import time
 SHOWABLE = 1.2   # below this, side-by-side speed-ups are lost in noise: the notebooks say so instead
 
 
-def _busy_work(size: int, reps: int) -> float:
+def busy_work(size: int, reps: int) -> float:
+    """Seconds for ``reps`` products of two size-by-size matrices: a fixed amount of arithmetic."""
     import torch
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b                                       # warm-up
@@ -34,9 +35,9 @@ def _worker(rank: int, world_size: int, size: int, reps: int, rounds: int) -> tu
     for _ in range(rounds):
         dist.barrier()
         if rank == 0:
-            alone.append(_busy_work(size, reps))
+            alone.append(busy_work(size, reps))
         dist.barrier()
-        together.append(_busy_work(size, reps))
+        together.append(busy_work(size, reps))
     return min(alone) if alone else 0.0, min(together)
 
 

@@ -38,9 +38,9 @@ def test_reference_semantics_by_hand():
 
 
 def test_barrier_releases_nobody_before_the_last_arrival():
-    times = run(collectives.barrier_demo, 3, backend="gloo", show_output=False)
-    last = max(a for a, _ in times)
-    assert last >= 0.25 and all(leave >= last - 0.01 for _, leave in times)
+    times = run(collectives.barrier_demo, 3, backend="gloo", show_output=False)   # one machine-wide clock
+    first, last = min(a for a, _ in times), max(a for a, _ in times)
+    assert last - first >= 0.25 and all(leave >= last for _, leave in times)
 
 
 def test_unknown_collective_is_a_clear_error():

@@ -83,3 +83,10 @@ def test_two_nodes_meet_in_either_form_and_share_one_master(form):
 def test_torchrun_nodes_refuses_an_unknown_rendezvous():
     with pytest.raises(ValueError, match="'c10d' or 'static'"):
         torchrun_nodes("course_lib.recipes.whoami", module=True, rendezvous="etcd")
+
+
+def test_run_command_can_unset_a_variable(monkeypatch):
+    monkeypatch.setenv("COURSE_SOME_SETTING", "from the kernel")
+    show = [sys.executable, "-c", "import os; print(os.environ.get('COURSE_SOME_SETTING', 'unset'))"]
+    assert run_command(show, echo=False).output.strip() == "from the kernel"
+    assert run_command(show, echo=False, env={"COURSE_SOME_SETTING": None}).output.strip() == "unset"

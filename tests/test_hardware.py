@@ -88,3 +88,11 @@ def test_real_gpus_are_described():
     g = hardware.gpus()[0]
     assert g.memory_gib > 1 and g.name and "cuda:0" in str(g)
     assert hardware.versions()["cuda"] is not None
+
+
+def test_local_rank_comes_from_the_launcher_never_the_global_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert hardware.local_rank() == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not set"):
+        hardware.local_rank()

@@ -317,3 +317,18 @@ def test_two_ranks_failing_at_once_do_not_wait_for_the_full_timeout(no_leftovers
     with pytest.raises(RankError):
         run(two_fail_one_hangs, 3, backend="gloo", timeout=120, show_output=False)
     assert time.monotonic() - start < 10
+
+
+def test_the_process_groups_timeout_is_separate_from_the_runs_deadline(no_leftovers):
+    def wait_in_recv(rank, world_size):
+        if rank == 0:
+            dist.recv(torch.zeros(1), src=1)     # rank 1 never sends...
+        else:
+            time.sleep(60)                       # ...it is busy elsewhere
+
+    with pytest.raises(RunTimeoutError):         # default: the run's deadline comes first, with every rank's stack
+        run(wait_in_recv, 2, backend="gloo", timeout=3, show_output=False)
+    with pytest.raises(RankError, match="[Tt]imed out"):   # a shorter process-group timeout: the backend's own error
+        run(wait_in_recv, 2, backend="gloo", timeout=60, pg_timeout=2, show_output=False)
+    with pytest.raises(ValueError, match="pg_timeout"):
+        run(wait_in_recv, 2, pg_timeout=0)

@@ -134,14 +134,15 @@ def all_to_all_demo(rank, world_size):
 
 
 def barrier_demo(rank, world_size, delay: float = 0.15):
-    """Rank r arrives ``r * delay`` seconds late; nobody leaves before the last one arrives."""
-    dist.barrier()                              # line everyone up, so the clocks below are comparable
-    t0 = time.perf_counter()
+    """Rank r arrives ``r * delay`` seconds late; nobody leaves before the last one arrives.
+
+    Times are ``time.perf_counter()`` readings: one clock for every process of a machine, so the ranks' arrivals
+    and departures compare directly (the caller subtracts the earliest)."""
+    dist.barrier()                              # line everyone up
     time.sleep(rank * delay)
-    arrive = time.perf_counter() - t0
+    arrive = time.perf_counter()
     dist.barrier()
-    leave = time.perf_counter() - t0
-    return arrive, leave
+    return arrive, time.perf_counter()
 
 
 DEMOS = {name: globals()[f"{name}_demo"] for name in COLLECTIVES if name != "barrier"}

@@ -16,8 +16,9 @@ steps, each step a message:
 
 Fit α and β to your own measurements (:func:`fit_alpha_beta`), and the model predicts the rest.
 
-Real clusters have two levels: GPUs inside a node share fast links (NVLink: an NVLink domain is the 8 GPUs of one
-node), nodes talk over the network. :func:`predict_two_level` models the hierarchical all-reduce that uses both.
+Real clusters have two levels: GPUs inside a node share fast links (NVLink; on HGX servers the domain is the
+node's 8 GPUs, on rack-scale systems such as GB200 NVL72 it is 72), nodes talk over the network.
+:func:`predict_two_level` models the hierarchical all-reduce that uses both.
 """
 from __future__ import annotations
 

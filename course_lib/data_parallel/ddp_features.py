@@ -76,7 +76,7 @@ def checkpoint_worker(rank: int, world_size: int, path: str, steps: int = 5) -> 
 def unused_parameter_worker(rank: int, world_size: int, find_unused: bool, steps: int = 2) -> str:
     """Train :class:`WithExtras` (a layer ``forward`` never calls) under DDP for ``steps`` steps.
 
-    DDP waits, in ``backward()``, for every parameter's gradient. The unused layer's never comes, so its
+    DDP reduces a bucket once every parameter in it has its gradient. The unused layer's never comes, so its
     bucket is never reduced; DDP notices at the *next* forward pass and raises ("Expected to have finished
     reduction in the prior iteration...") instead of waiting. ``find_unused_parameters=True`` makes DDP
     search the autograd graph after each forward and mark what will get no gradient.
@@ -112,3 +112,23 @@ def uneven_inputs_worker(rank: int, world_size: int, join: bool) -> int:
             steps += 1
     dist.barrier()
     return steps
+
+
+def buffers_worker(rank: int, world_size: int) -> dict:
+    """Each rank gives its BatchNorm a running mean of its own; what does BatchNorm see inside DDP's next forward?
+
+    DDP broadcasts rank 0's buffers at the start of every forward pass (by default), so the value BatchNorm finds
+    is rank 0's on every rank; its own update with the local batch then makes the ranks differ again until the next
+    forward."""
+    model = WithExtras()
+    wrapped = DDP(model, find_unused_parameters=True)
+    with torch.no_grad():
+        model.body[1].running_mean.fill_(float(rank))        # after construction: the ranks now disagree
+    seen = {}
+
+    def look(module, args):                                  # BatchNorm about to run: what will it normalise with?
+        seen.setdefault("mean", module.running_mean[0].item())
+    model.body[1].register_forward_pre_hook(look)
+    x, _ = make_dataset(8, seed=rank).tensors
+    wrapped(x)
+    return {"own": float(rank), "seen_in_forward": seen["mean"]}

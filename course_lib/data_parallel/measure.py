@@ -114,3 +114,41 @@ def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth:
             synchronize(device)
             times[strategy].append((time.perf_counter() - t0) / steps)
     return {s: statistics.median(t) for s, t in times.items()}
+
+
+def side_by_side_worker(rank: int, world_size: int, width: int = 512, depth: int = 4, batch: int = 1024,
+                        steps: int = 3, rounds: int = 3) -> dict | None:
+    """Data parallelism's speed-up next to what the machine gives right now, measured in alternation by the same ranks.
+
+    Each round: rank 0 trains ``steps`` steps alone (no DDP; the others wait in a barrier, which sleeps), then every
+    rank trains ``steps`` DDP steps on a batch of its own; then rank 0 does fixed arithmetic alone, then every rank
+    does it at once (:func:`course_lib.parallelism.busy_work`). Per round, speed-up = samples/s of the ranks together
+    over rank 0's alone, and concurrency = how many ranks ran side by side. Measured seconds apart, the two see the
+    same machine, so their ratio (the efficiency) holds on a busy laptop too. Rank 0 returns the medians."""
+    from ..parallelism import busy_work
+    alone_step, x, y, device = _setup(width, depth, batch, "none")
+    ddp_step, *_ = _setup(width, depth, batch, "torch_ddp")
+    slowest = torch.zeros(1, dtype=torch.float64)
+    rows = []
+    for _ in range(rounds):
+        times = []
+        for work in ("train", "arithmetic"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                for _ in range(steps) if work == "train" else range(1):
+                    alone_step(x, y) if work == "train" else busy_work(256, 40)
+            alone = time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps) if work == "train" else range(1):
+                ddp_step(x, y) if work == "train" else busy_work(256, 40)
+            synchronize(device)
+            slowest.fill_(time.perf_counter() - t0)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)     # together is done when the slowest rank is
+            times.append(world_size * alone / slowest.item())
+        speedup, concurrency = times[0], max(1.0, min(float(world_size), times[1]))
+        rows.append({"speedup": speedup, "concurrency": concurrency, "efficiency": speedup / concurrency})
+    if rank != 0:
+        return None
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}

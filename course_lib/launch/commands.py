@@ -44,6 +44,8 @@ def run_command(args: list[str], timeout: float = 300, env: dict | None = None, 
                 echo: bool = True, tail: int = 40) -> Completed:
     """Run ``args``, print its output (stdout and stderr merged) as it arrives, raise if it fails.
 
+    ``env`` adds variables to this process's environment for the command; a value of ``None`` removes one.
+
     The command runs in a session of its own, so on timeout (or Ctrl-C / the notebook's stop button)
     it is stopped together with every process it started.
     """
@@ -60,6 +62,8 @@ def run_commands(commands: list[list[str]], labels: list[str] | None = None, tim
     commands = [[str(a) for a in args] for args in commands]
     labels = labels or [""] * len(commands)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (env or {}).items()}}
+    for name in [k for k, v in (env or {}).items() if v is None]:     # None: unset it for the command
+        del full_env[name]
     lines: queue.Queue = queue.Queue()
     procs: list[subprocess.Popen] = []
     try:

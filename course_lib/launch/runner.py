@@ -140,12 +140,14 @@ def _validate(fn, world_size, timeout) -> None:
 
 def run(fn, world_size: int, *args, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         threads: int | None = None, env: dict | None = None, init: bool = True,
-        show_output: bool = True) -> list:
+        show_output: bool = True, pg_timeout: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return their results in rank order.
 
     backend: ``'gloo'``, ``'nccl'`` or ``None`` (NCCL when every rank has its own GPU, else Gloo).
     timeout: seconds for the whole run; past it every rank is stopped and :class:`RunTimeoutError`
-        says which ranks were still busy.  It is also the process group's collective timeout.
+        says which ranks were still busy, with each one's stack.
+    pg_timeout: the process group's own timeout for a collective (default: ``timeout`` + 60 s, so that the
+        run's deadline, which shows where every rank was, comes first; pass less to see the backend's own error).
     threads: torch threads per rank; by default the CPU cores are shared evenly between the ranks.
     env: extra environment variables for the ranks (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
     init: ``False`` skips ``init_process_group`` (the ranks get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
@@ -153,6 +155,9 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
     show_output: print each rank's output here, prefixed ``[rank r]``, in rank order.
     """
     _validate(fn, world_size, timeout)
+    if pg_timeout is not None and pg_timeout <= 0:
+        raise ValueError(f"pg_timeout must be a positive number of seconds, got {pg_timeout!r}")
+    pg_timeout = timeout + 60 if pg_timeout is None else pg_timeout
     backend = hardware.check_backend(backend, world_size)
     try:
         payload = cloudpickle.dumps((fn, args))
@@ -179,7 +184,8 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
     try:
         for rank in range(world_size):
             spec = {"rank": rank, "world_size": world_size, "backend": backend, "host": HOST, "port": port,
-                    "timeout": timeout, "threads": threads, "init": init, "payload": payload,
+                    "timeout": timeout, "pg_timeout": pg_timeout, "threads": threads, "init": init,
+                    "payload": payload,
                     "cwd": os.getcwd(), "out_path": os.path.join(tmpdir, f"rank{rank}.out"),
                     "env": {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}}
             result_r, result_w = ctx.Pipe(duplex=False)

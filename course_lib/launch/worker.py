@@ -59,7 +59,7 @@ def init_process_group(spec: dict) -> None:
     store = dist.TCPStore(spec["host"], spec["port"], world_size, is_master=False,
                           timeout=timedelta(seconds=spec["timeout"]))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=spec["timeout"]))
+                            timeout=timedelta(seconds=spec["pg_timeout"]))
 
 
 def _frames(exc: BaseException) -> list[tuple[str, int, str, str]]:

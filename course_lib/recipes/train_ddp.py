@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=count, default=128)
     p.add_argument("--depth", type=count, default=3)
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with GPUs, else gloo")
-    p.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto", help="auto: bf16 on GPUs only")
+    p.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto",
+                   help="auto: bf16 on GPUs with bf16 tensor cores (compute capability 8.0+) only")
     p.add_argument("--checkpoint", default=None, help="snapshot path; resumed from when it exists")
     p.add_argument("--save-every", type=count, default=1, help="epochs between snapshots")
     p.add_argument("--out", default=None, help="where rank 0 writes the final weights")
@@ -203,7 +204,7 @@ class Trainer:
         self.sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
                                  pin_memory=ctx.device.type == "cuda")
-        self.amp = args.amp == "bf16" or (args.amp == "auto" and ctx.device.type == "cuda")
+        self.amp = args.amp == "bf16" or (args.amp == "auto" and hardware.fast_bf16(ctx.device))
         self.epochs_run, self.losses = 0, []
         if args.crash_at_epoch is not None and not 0 <= args.crash_rank < ctx.world_size:
             raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job "
