@@ -60,6 +60,17 @@ def steps_and_volume(algorithm: str, world_size: int) -> tuple[float, float]:
 
 
 ALGORITHMS = ("ring", "recursive doubling", "naive", "reduce-scatter", "all-gather")
+RING_OF = {"all-reduce": "ring", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter"}
+
+
+def ring_steps_and_bytes(kind: str, nbytes: float, world_size: int) -> tuple[float, float]:
+    """(sequential messages, bytes each rank sends) of the collective ``kind`` (``"all-reduce"``, ``"all-gather"``
+    or ``"reduce-scatter"``) over an ``nbytes`` buffer, done as a ring on ``world_size`` ranks: the gather and the
+    scatter move (N-1)/N of it, an all-reduce (one of each) twice that."""
+    if kind not in RING_OF:
+        raise ValueError(f"unknown collective {kind!r}: use one of {list(RING_OF)}")
+    steps, volume = steps_and_volume(RING_OF[kind], world_size)
+    return steps, volume * nbytes
 
 
 def predict(algorithm: str, nbytes, world_size: int, alpha: float, beta: float):

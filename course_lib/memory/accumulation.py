@@ -35,7 +35,7 @@ def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits
     from ..data import make_token_dataset
     from ..hardware import rank_device, synchronize
     from ..models.transformer import lm_loss, transformer
-    from ..precision.wire import WireLog
+    from ..tensor_parallel.comm import CollectiveLog
 
     device = rank_device()
     per_rank = batch // world_size
@@ -63,7 +63,7 @@ def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits
         _, held = held_bytes(lm_loss_of, model.module, x[:micro], y[:micro])
         bytes_sent = {}
         for every in (False, True):
-            log = WireLog()
+            log = CollectiveLog()
             with log:
                 step(k, sync_every_micro_batch=every)
             bytes_sent["every micro-batch" if every else "no_sync"] = sum(r.nbytes for r in log.records)

@@ -89,7 +89,7 @@ def predict(cfg: TransformerConfig, seq: int, batch: int, tp: int = 1, dp: int =
             recompute: str = "none", dtype: str = "bf16", optimizer: str = "adam", device: str = "cuda") -> dict:
     """Bytes one GPU holds for one layout (``"memory"``: each part and ``"total"``), the step's collectives,
     bytes sent per GPU (``"sent"``: by group), and the extra compute of recomputation (fraction of a step)."""
-    from ..tensor_parallel.comm import ring_steps_and_bytes
+    from ..comm.costmodel import ring_steps_and_bytes
     from ..tensor_parallel.cost import layer_flops
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")

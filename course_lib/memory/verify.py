@@ -4,7 +4,8 @@
 
 * ZeRO stages 1, 2 and 3 from scratch (notebook 08): the bytes behind each rank's parameters, gradients and
   optimizer states after a step (``zero.rank_bytes``), and the collectives a step issues (``count_traffic``);
-* DDP: the bytes its gradient all-reduce carries (notebook 10's :class:`~course_lib.precision.wire.WireLog`);
+* DDP: the bytes its gradient all-reduce carries (counted by notebook 09's
+  :class:`~course_lib.tensor_parallel.comm.CollectiveLog`);
 * one rank's unsplit model: the activations saved for backward, and the matrix-product FLOPs of a step, with
   and without whole-layer recomputation (notebook 10);
 * tensor parallelism (notebook 09's split transformer): the parameters a rank holds, the activations it saves
@@ -39,8 +40,8 @@ def measure_worker(rank: int, world_size: int, cfg, batch: int = 2) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..models.transformer import lm_loss, transformer
-    from ..precision.wire import WireLog
     from ..tensor_parallel import tensor_parallel_transformer
+    from ..tensor_parallel.comm import CollectiveLog
     from ..zero import rank_bytes, shard
     from ..zero.flat import count_traffic
     from .recompute import measure_policy, with_recomputation
@@ -63,7 +64,7 @@ def measure_worker(rank: int, world_size: int, cfg, batch: int = 2) -> dict:
 
     ddp = DDP(transformer(cfg))
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    log = WireLog()
+    log = CollectiveLog()
     with log:
         lm_loss(ddp(x), y).backward()
     out["ddp"] = [(r.kind, r.nbytes) for r in log.records]
@@ -73,7 +74,7 @@ def measure_worker(rank: int, world_size: int, cfg, batch: int = 2) -> dict:
     out["tp_saved"] = saved_bytes(lambda: lm_loss(tp(x), y), exclude=list(tp.parameters()))
     for recompute in ("none", "full"):
         model = with_recomputation(tp, recompute)
-        log = WireLog()
+        log = CollectiveLog()
         with log:
             loss = lm_loss(model(x), y)
             with log.during("backward"):

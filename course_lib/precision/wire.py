@@ -15,8 +15,8 @@ registered as it is.
 reduce_dtype=...))``: the sharded fp32 parameters are all-gathered as bf16 for the forward and backward, and
 the gradients reduce-scattered in ``reduce_dtype``; the optimizer still steps fp32 shards.
 
-The collectives are counted by :class:`WireLog` (notebook 09's ``CollectiveLog``, a dispatch mode that sees
-every ``c10d`` operator): DDP's default all-reduce is issued from C++ and is invisible to it, so the
+The collectives are counted by notebook 09's ``CollectiveLog`` (a dispatch mode that sees every ``c10d``
+operator): DDP's default all-reduce is issued from C++ and is invisible to it, so the
 fp32 baseline registers PyTorch's ``allreduce_hook``, which does what the default does, from Python.
 """
 from __future__ import annotations
@@ -27,17 +27,6 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..tensor_parallel.comm import CollectiveLog
-
-
-class WireLog(CollectiveLog):
-    """:class:`CollectiveLog` restricted to the communication libraries' operators (``c10d``,
-    ``_c10d_functional``): FSDP2's local ``fsdp::all_gather_copy_in`` (a copy into the send buffer) has
-    "all_gather" in its name and would otherwise be counted as a second all-gather."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace not in ("c10d", "_c10d_functional"):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def bf16_compress(process_group, bucket):
@@ -105,7 +94,7 @@ def ddp_compress_worker(rank: int, world_size: int, cfg, steps: int = 10, batch:
         plain = transformer(cfg).to(_device())               # the same weights, not wrapped
         model.register_comm_hook(None, hook)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        losses, log = [], WireLog()
+        losses, log = [], CollectiveLog()
         for step in range(steps):
             x, y = _batch(cfg, batch, step, rank, world_size)
             opt.zero_grad()
@@ -141,7 +130,7 @@ def fsdp_reduce_dtype_worker(rank: int, world_size: int, cfg, reduce_dtypes=(tor
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        log = WireLog()
+        log = CollectiveLog()
         with log:
             loss = lm_loss(model(x), y)
             with log.during("backward"):

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm.costmodel import steps_and_volume
+from ..comm.costmodel import ring_steps_and_bytes  # the notebooks count with it from here too
 
 KINDS = {"allreduce": "all-reduce", "all_reduce": "all-reduce", "allgather": "all-gather",
          "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
@@ -44,23 +44,20 @@ class Collective:
     phase: str
 
 
+COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
 def kind_of(op_name: str) -> str | None:
-    """``"all-reduce"``, ``"all-gather"`` or ``"reduce-scatter"`` for an operator named like ``c10d::allreduce_``."""
-    name = op_name.split("::")[-1].split(".")[0].lower()
+    """``"all-reduce"``, ``"all-gather"`` or ``"reduce-scatter"`` for an operator named like ``c10d::allreduce_``;
+    ``None`` for anything else. Only the communication libraries' operators count: FSDP2's local
+    ``fsdp::all_gather_copy_in`` (a copy into the send buffer) says "all_gather" but sends nothing."""
+    namespace, _, rest = op_name.partition("::")
+    if namespace not in COMM_NAMESPACES:
+        return None
+    name = rest.split(".")[0].lower()
     if "coalesced" in name:
         return None
     return next((kind for key, kind in KINDS.items() if key in name), None)
-
-
-ALGORITHM = {"all-reduce": "ring", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter"}
-
-
-def ring_steps_and_bytes(kind: str, nbytes: int, world_size: int) -> tuple[float, float]:
-    """(sequential messages, bytes each rank sends) of ``kind`` done as a ring on ``world_size`` ranks."""
-    if kind not in ALGORITHM:
-        raise ValueError(f"unknown collective {kind!r}: use one of {list(ALGORITHM)}")
-    steps, volume = steps_and_volume(ALGORITHM[kind], world_size)
-    return steps, volume * nbytes
 
 
 def _tensors(obj):

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.costmodel import ring_steps_and_bytes
+
 _TRAFFIC: list[list[tuple[str, int]]] = []   # the open count_traffic() logs, innermost last
 # torch 2.13 calls these all_gather_single and reduce_scatter_single (the old names warn); 2.11 has only the old.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,10 +72,9 @@ def _record(operation: str, buffer: torch.Tensor) -> None:
 
 
 def ring_bytes_sent(operation: str, nbytes: int, world_size: int) -> float:
-    """Bytes each rank sends for one collective over an ``nbytes`` buffer, done as a ring (notebook 02):
-    all-gather and reduce-scatter move (N-1)/N of it, an all-reduce (one of each) twice that."""
-    share = (world_size - 1) / world_size
-    return {"all-gather": share, "reduce-scatter": share, "all-reduce": 2 * share}[operation] * nbytes
+    """Bytes each rank sends for one collective over an ``nbytes`` buffer, done as a ring (notebook 02's count:
+    :func:`course_lib.comm.costmodel.ring_steps_and_bytes`)."""
+    return ring_steps_and_bytes(operation, nbytes, world_size)[1]
 
 
 def shard_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:

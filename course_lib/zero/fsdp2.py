@@ -105,17 +105,6 @@ def unsharded_bytes(model: nn.Module) -> int:
     return sum(p.untyped_storage().nbytes() for p in model.parameters() if not isinstance(p, DTensor))
 
 
-class ProcessGroupLog(CollectiveLog):
-    """:class:`~course_lib.tensor_parallel.comm.CollectiveLog` restricted to the process group's operators
-    (``c10d::``): FSDP2's helper operators such as ``fsdp::all_gather_copy_in`` only copy, though their
-    names say ``all_gather``."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "c10d":
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def count_collectives(log: CollectiveLog) -> dict[str, int]:
     """``{"forward all-gathers": n, "backward all-gathers": n, "reduce-scatters": n, "reduce-scatter bytes": b}``."""
     records = log.records
@@ -125,7 +114,7 @@ def count_collectives(log: CollectiveLog) -> dict[str, int]:
             "reduce-scatter bytes": sum(r.nbytes for r in records if r.kind == "reduce-scatter")}
 
 
-def _forward_backward(model: nn.Module, log: ProcessGroupLog) -> dict:
+def _forward_backward(model: nn.Module, log: CollectiveLog) -> dict:
     """One forward and backward of ``model`` with its collectives recorded; whole-parameter bytes around them."""
     x = torch.randn(4, next(model.parameters()).shape[-1], device=rank_device())
     before = unsharded_bytes(model)
@@ -141,7 +130,7 @@ def reshard_worker(rank: int, world_size: int, model_fn, reshard_after_forward: 
     """Whole-parameter bytes after forward (before backward) and after backward, with ``reshard_after_forward``
     on or off, and the collectives of that forward and backward (:func:`count_collectives`)."""
     model = apply_fsdp2(model_fn().to(rank_device()), reshard_after_forward=reshard_after_forward)
-    log = ProcessGroupLog()
+    log = CollectiveLog()
     held = _forward_backward(model, log)
     return {**held, **count_collectives(log)}
 
@@ -153,7 +142,7 @@ def mixed_precision_worker(rank: int, world_size: int, model_fn, reduce_dtype=No
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     seen = []
     first.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
-    log = ProcessGroupLog()
+    log = CollectiveLog()
     _forward_backward(model, log)
     shard = next(model.parameters())
     return {"compute": seen[0], "stored": shard.dtype, "gradients": shard.grad.dtype,
