@@ -91,8 +91,8 @@ def wait_display_changed(root, before: str, timeout_s: float = 20) -> bool:
 def shown_matches(shown, kernel: dict, kind: str) -> bool:
     """Whether what the browser shows for a control is the kernel's value (a slider's readout to its digits)."""
     value = kernel["value"]
-    if kernel.get("label") is not None:
-        return shown == kernel["label"]
+    if kernel.get("label") is not None:         # a drop-down draws its labels' spaces as no-break spaces
+        return shown.replace("\xa0", " ") == kernel["label"]
     if isinstance(value, (bool, str)):
         return shown == value
     if kind == "text":
