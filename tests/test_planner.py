@@ -70,8 +70,12 @@ def test_layout_planner_widget_is_driven_in_code():
     assert p.state["best"] is None and "nothing fits" in p.out.value
     p.gpus.value = 64
     assert p.state["best"] is not None and p.state["fitting"][0]["gib"] <= 0.9 * 80
-    p.seq.value = 10_000
-    assert "error" in p.state and "positions" in p.out.value
+    p.seq.value = 10_000                                   # the box stops at the model's positions...
+    assert p.seq.value == p.seq.max == 4096 and "error" not in p.state
+    p.preset.value = "course transformer (0.1 M)"          # ...and follows the model chosen
+    assert p.seq.value == 32 and "M parameters" in p.out.value and "error" not in p.state
+    with pytest.raises(ValueError, match="positions"):
+        layout_state("70 B (80 x 8192)", 10_000, 1, 64, 80)
     with pytest.raises(ValueError, match="unknown model"):
         layout_state("GPT-5", 1, 1, 1, 80)
 

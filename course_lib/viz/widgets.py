@@ -186,7 +186,8 @@ class LayoutPlanner(Explorer):
         from ..memory import planner
         self.preset = W.Dropdown(options=list(planner.PRESETS), value=preset, description="model",
                                  layout=W.Layout(width="320px"))
-        self.seq = W.BoundedIntText(value=seq, min=1, max=1_000_000, description="sequence")
+        self._presets = planner.PRESETS
+        self.seq = W.BoundedIntText(value=seq, min=1, max=planner.PRESETS[preset].seq_len, description="sequence")
         self.batch = W.BoundedIntText(value=batch, min=1, max=100_000, description="micro-batch")
         self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs")
         self.gib = W.BoundedFloatText(value=gib_per_gpu, min=1, max=100_000, step=8, description="GiB per GPU")
@@ -195,9 +196,14 @@ class LayoutPlanner(Explorer):
         self.state: dict = {}
         controls = (self.preset, self.seq, self.batch, self.gpus, self.gib, self.dtype)
         self.widget = W.VBox([W.HBox(list(controls[:3])), W.HBox(list(controls[3:])), self.out])
+        self.preset.observe(self._bound_sequence, names="value")   # first: a shorter model clamps the sequence
         for c in controls:
             c.observe(self._update, names="value")
         self._update()
+
+    def _bound_sequence(self, *_):
+        """The sequence box goes no further than the chosen model's positions (it clamps a longer value)."""
+        self.seq.max = self._presets[self.preset.value].seq_len
 
     def _update(self, *_):
         from ..memory.planner import layout_name
@@ -207,11 +213,16 @@ class LayoutPlanner(Explorer):
         except ValueError as e:                   # e.g. a sequence longer than the model's positions
             self.state, self.out.value = {"error": str(e)}, f"<b>{e}</b>"
             return
-        head = "<tr><th>layout</th><th>GiB per GPU</th><th>fits</th><th>GB sent per step (data / tensor)</th>" \
+        from ..memory import human
+        head = "<tr><th>layout</th><th>memory per GPU</th><th>fits</th><th>sent per step per GPU (data / tensor)</th>" \
                "<th>extra compute</th></tr>"
-        rows = "".join(f"<tr><td>{layout_name(r)}</td><td>{r['gib']:.1f}</td><td>{'yes' if r['fits'] else 'no'}</td>"
-                       f"<td>{r['data_gb']:.2f} / {r['tensor_gb']:.2f}</td><td>{r['extra_compute']:.0%}</td></tr>"
+        rows = "".join(f"<tr><td>{layout_name(r)}</td><td>{human(r['gib'] * 2**30)}</td>"
+                       f"<td>{'yes' if r['fits'] else 'no'}</td><td>{human(r['data_gb'] * 1e9)} / "
+                       f"{human(r['tensor_gb'] * 1e9)}</td><td>{r['extra_compute']:.0%}</td></tr>"
                        for r in self.state["rows"])
         best = self.state["best"] or "nothing fits: more GPUs, a shorter sequence or a smaller micro-batch"
-        self.out.value = (f"{self.state['params'] / 1e9:.2f} B parameters. Cheapest that fits: <b>{best}</b>"
-                          f"<table>{head}{rows}</table>")
+        params = self.state["params"]
+        size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+        inputs = (f"{size} parameters, sequence {self.seq.value}, micro-batch {self.batch.value}, "
+                  f"{self.dtype.value}, on {self.gpus.value} GPUs of {self.gib.value:g} GiB")   # what it computed for
+        self.out.value = f"{inputs}. Cheapest that fits: <b>{best}</b><table>{head}{rows}</table>"

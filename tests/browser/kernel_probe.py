@@ -71,7 +71,8 @@ def controls(model_id: str) -> None:
     def walk(w):
         if _is_control(w):
             found.append({"description": w.description, "type": type(w).__name__, "value": _jsonable(w.value),
-                          "label": getattr(w, "label", None), "readout_format": getattr(w, "readout_format", None)})
+                          "label": getattr(w, "label", None), "readout_format": getattr(w, "readout_format", None),
+                          "max": _jsonable(getattr(w, "max", None))})
         for child in getattr(w, "children", ()):
             walk(child)
 

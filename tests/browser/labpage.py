@@ -70,7 +70,10 @@ def move(page, root, control: dict) -> None:
     elif control["kind"] == "text":
         box = c.locator("input")
         try:
-            new = str(float(control["shown"]) * 2 or 1)
+            doubled = float(control["shown"]) * 2 or 1
+            if isinstance(control.get("max"), (int, float)) and doubled > control["max"]:   # at its top: go down
+                doubled = float(control["shown"]) / 2
+            new = str(int(doubled)) if doubled.is_integer() else str(doubled)   # "4096", as a learner types it
         except ValueError:
             new = control["shown"] + "x"
         box.fill(new)

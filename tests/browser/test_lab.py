@@ -130,9 +130,11 @@ def test_run_all_in_jupyterlab_and_use_every_widget(name, lab, browser):
             cut = [c["description"] for c in controls if c["truncated"]]
             assert not cut, f"widget {i}: labels cut short in the page (give them room): {cut}"
             check_browser_equals_kernel(probe, model_id, controls, f"widget {i} as displayed")
-            for control in controls:
+            for index in range(len(controls)):
                 before = root.evaluate(DISPLAY)
-                move(page, root, control)
+                control = root.evaluate(READ_CONTROLS)[index]            # as shown now: earlier moves change it
+                now = {c["description"]: c for c in probe.json(f"controls({model_id!r})")}   # and its bounds
+                move(page, root, {**control, "max": now[control["description"]]["max"]})
                 assert wait_display_changed(root, before), f"moving {control['description']!r} changed nothing shown"
                 lab.wait_idle(name, timeout=30, settle=0.5)
                 check_browser_equals_kernel(probe, model_id, root.evaluate(READ_CONTROLS),
