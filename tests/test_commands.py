@@ -90,3 +90,18 @@ def test_run_command_can_unset_a_variable(monkeypatch):
     show = [sys.executable, "-c", "import os; print(os.environ.get('COURSE_SOME_SETTING', 'unset'))"]
     assert run_command(show, echo=False).output.strip() == "from the kernel"
     assert run_command(show, echo=False, env={"COURSE_SOME_SETTING": None}).output.strip() == "unset"
+
+
+def test_json_lines_reads_objects_that_ranks_printed_onto_one_line():
+    # Under PYTHONUNBUFFERED a print is two writes; two ranks sharing a stdout then give {...}{...} and "".
+    out = ('{"rank": 0}{"rank": 1, "x": {"y": 2}}\n\n[default0]:{"rank": 2}\n'
+           'loss {"not": "a report"}\n{"rank": 3} and a tail\n{"truncated": \n')
+    assert json_lines(out) == [{"rank": 0}, {"rank": 1, "x": {"y": 2}}, {"rank": 2}]
+
+
+def test_plain_torchrun_workers_report_every_rank():
+    # The shape notebook 04 runs: no --tee, both workers write to the one stdout at once.
+    for _ in range(3):
+        out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "course_lib.recipes.whoami"], echo=False, timeout=120).output
+        assert sorted(w["RANK"] for w in json_lines(out)) == [0, 1], out

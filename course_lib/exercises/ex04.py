@@ -86,9 +86,15 @@ def fingerprint(model: torch.nn.Module) -> str:
 def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Print, as JSON, what the check needs to know about this rank's run."""
     module = getattr(model, "module", model)
-    print(json.dumps({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                      "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
-                      "set_device_before_init": _state["set_device_before_init"]}), flush=True)
+    _say({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+          "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
+          "set_device_before_init": _state["set_device_before_init"]})
+
+
+def _say(obj: dict) -> None:
+    """One line of JSON in one write, so that ranks sharing a stdout cannot split each other's lines."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def _run_file(path: str) -> None:
@@ -100,8 +106,7 @@ def _run_file(path: str) -> None:
     import gc
     program = runpy.run_path(path, run_name="__main__")
     left = dist.is_available() and dist.is_initialized()
-    print(json.dumps({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left}),
-          flush=True)
+    _say({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left})
     program.clear()
     gc.collect()
     sys.stdout.flush()

@@ -195,15 +195,25 @@ def torchrun_nodes(target: str, *script_args, nnodes: int = 2, nproc_per_node: i
 
 
 def json_lines(output: str) -> list[dict]:
-    """The JSON objects a job printed, one per line (torchrun's ``[default0]:`` prefixes removed)."""
+    """The JSON objects a job printed (torchrun's ``[default0]:`` prefixes removed).
+
+    Workers that share one stdout can interleave: under ``PYTHONUNBUFFERED`` a ``print`` is two writes (the text,
+    then the newline), so two ranks printing at once give ``{...}{...}`` on one line. A line made of objects only is
+    read whole; any other line (a log, a warning) is skipped."""
     import json
     import re
+    decoder = json.JSONDecoder()
     found = []
     for line in output.splitlines():
         line = re.sub(r"^(\[[^\]]*\]:?)+", "", line.strip())
-        if line.startswith("{") and line.endswith("}"):
+        objects, at = [], 0
+        while line.startswith("{", at):                    # a line of objects only: {...}{...}
             try:
-                found.append(json.loads(line))
+                obj, at = decoder.raw_decode(line, at)
             except ValueError:
-                pass
+                break
+            objects.append(obj)
+            at = len(line) - len(line[at:].lstrip())
+        if objects and at == len(line):
+            found += objects
     return found

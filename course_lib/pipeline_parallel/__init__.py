@@ -16,6 +16,7 @@ from .stages import (
            make_stage,
            measured_bubble,
            pipeline_worker,
+           rank_imbalance,
            replayed,
            shift_to_common_origin,
            stretch,
@@ -23,4 +24,4 @@ from .stages import (
 
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
-           "replayed", "stretch", "UNDISTURBED", "shift_to_common_origin"]
+           "replayed", "rank_imbalance", "stretch", "UNDISTURBED", "shift_to_common_origin"]

@@ -143,6 +143,17 @@ def stretch(results: list[dict]) -> float:
     return wall / sum(op[3] for r in results for op in r["timeline"])
 
 
+def rank_imbalance(results: list[dict]) -> float:
+    """How much more CPU time the busiest rank's ops used than the least busy one's, as a fraction (0.1: 10% more).
+
+    The bubble formulas assume equal stages; a rank whose ops take longer keeps its neighbour waiting, and the
+    replayed bubble grows by about this much (of the compute time). Equal stages can still measure unequal: two
+    processes computing at once on neighbouring cores slow each other, and not always evenly (up to ~20% on the
+    course's idle 2-core machine, a few percent when a third program time-slices them)."""
+    per_rank = [sum(op[3] for op in r["timeline"]) for r in results]
+    return max(per_rank) / min(per_rank) - 1
+
+
 def replayed(results: list[dict]) -> dict:
     """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with messages free and each
     op lasting the CPU time it needed: the bubble the schedule itself leaves for these ops' real costs, without what

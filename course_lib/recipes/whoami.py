@@ -9,6 +9,7 @@ where unset.
 """
 import json
 import os
+import sys
 
 if __name__ == "__main__":
     env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
@@ -17,4 +18,5 @@ if __name__ == "__main__":
     env["device_by_local_rank"] = f"cuda:{env['LOCAL_RANK']}"
     for name in ("OMP_NUM_THREADS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         env[name] = os.environ.get(name)
-    print(json.dumps(env), flush=True)
+    sys.stdout.write(json.dumps(env) + "\n")          # one write: ranks sharing a stdout cannot split it
+    sys.stdout.flush()
