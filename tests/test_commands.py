@@ -93,15 +93,22 @@ def test_run_command_can_unset_a_variable(monkeypatch):
 
 
 def test_json_lines_reads_objects_that_ranks_printed_onto_one_line():
-    # Under PYTHONUNBUFFERED a print is two writes; two ranks sharing a stdout then give {...}{...} and "".
+    # Under PYTHONUNBUFFERED a print is two writes; two ranks sharing a stdout then give {...}{...} and "", and
+    # torchrun's --tee copies a half-written line as it finds it.
     out = ('{"rank": 0}{"rank": 1, "x": {"y": 2}}\n\n[default0]:{"rank": 2}\n'
-           'loss {"not": "a report"}\n{"rank": 3} and a tail\n{"truncated": \n')
-    assert json_lines(out) == [{"rank": 0}, {"rank": 1, "x": {"y": 2}}, {"rank": 2}]
+           '[default0]: {"rank": 3}[default1]:{"rank": 4}\n[default0]:{"rank": 5}[default0]:\n'
+           'loss {"not": "a report"}\n{"rank": 6} and a tail\n{"rank": 7}[1]\n{"truncated": \n')
+    assert [o["rank"] for o in json_lines(out)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_print_json_is_one_write(capfd):
+    from course_lib.launch.commands import print_json
+    print_json({"rank": 0, "nested": {"a": [1, 2]}})
+    assert json_lines(capfd.readouterr().out) == [{"rank": 0, "nested": {"a": [1, 2]}}]
 
 
 def test_plain_torchrun_workers_report_every_rank():
     # The shape notebook 04 runs: no --tee, both workers write to the one stdout at once.
-    for _ in range(3):
-        out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "course_lib.recipes.whoami"], echo=False, timeout=120).output
-        assert sorted(w["RANK"] for w in json_lines(out)) == [0, 1], out
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       "-m", "course_lib.recipes.whoami"], echo=False, timeout=120).output
+    assert sorted(w["RANK"] for w in json_lines(out)) == [0, 1], out

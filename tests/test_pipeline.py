@@ -59,14 +59,19 @@ def test_measured_bubble_counts_the_idle_share_of_the_wall_clock():
     assert P.rank_imbalance(results) == 0.0                            # 3 units of CPU time on each rank
     slower = [results[0], {"timeline": [("F", 0, 1, 1.5, 1.0, 2.5), ("B", 0, 1, 3.0, 2.5, 5.5)]}]
     assert P.rank_imbalance(slower) == pytest.approx(0.5)              # 4.5 units against 3
+    assert P.measured_makespan(results) == 6.0 and P.replayed(results, typical=False)["makespan"] == 6.0
+    with pytest.raises(ValueError, match="CPU times"):
+        P.rank_imbalance([{"timeline": [("F", 0, 0, 0.0, 0.0, 1.0)]}])
 
 
 def test_a_real_run_replayed_with_its_cpu_times_idles_as_the_formula_says():
     """On the wall clock a loaded machine distorts the bubble; the ops' CPU times played again do not."""
     res = run(P.pipeline_worker, 2, "1f1b", 4, 512, 256, 2, backend="gloo", threads=1, show_output=False)
-    # within the ranks' imbalance: equal stages can still take unequal CPU time when both compute at once
-    assert P.replayed(res)["bubble"] == pytest.approx(P.bubble_formula(2, 4), abs=0.03 + P.rank_imbalance(res))
-    assert P.rank_imbalance(res) < 0.5
+    # within half the ranks' imbalance: equal stages can still take unequal CPU time when both compute at once
+    imbalance = P.rank_imbalance(res)
+    assert imbalance < 0.3
+    assert P.replayed(res)["bubble"] == pytest.approx(P.bubble_formula(2, 4), abs=0.04 + imbalance / 2)
+    assert P.measured_makespan(res) > 0.99 * P.replayed(res, typical=False)["makespan"]
 
 
 def test_explorer_and_picture():

@@ -14,7 +14,6 @@ whether the process group was left initialised.
 """
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import make_dataset
+from ..launch.commands import print_json
 from ..models import make_mlp
 from . import NOT_ATTEMPTED, Feedback, passed, wrong
 
@@ -86,15 +86,10 @@ def fingerprint(model: torch.nn.Module) -> str:
 def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Print, as JSON, what the check needs to know about this rank's run."""
     module = getattr(model, "module", model)
-    _say({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+    print_json({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
           "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
           "set_device_before_init": _state["set_device_before_init"]})
 
-
-def _say(obj: dict) -> None:
-    """One line of JSON in one write, so that ranks sharing a stdout cannot split each other's lines."""
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def _run_file(path: str) -> None:
@@ -106,7 +101,7 @@ def _run_file(path: str) -> None:
     import gc
     program = runpy.run_path(path, run_name="__main__")
     left = dist.is_available() and dist.is_initialized()
-    _say({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left})
+    print_json({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left})
     program.clear()
     gc.collect()
     sys.stdout.flush()

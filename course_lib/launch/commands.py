@@ -198,22 +198,33 @@ def json_lines(output: str) -> list[dict]:
     """The JSON objects a job printed (torchrun's ``[default0]:`` prefixes removed).
 
     Workers that share one stdout can interleave: under ``PYTHONUNBUFFERED`` a ``print`` is two writes (the text,
-    then the newline), so two ranks printing at once give ``{...}{...}`` on one line. A line made of objects only is
-    read whole; any other line (a log, a warning) is skipped."""
+    then the newline), so two ranks printing at once give ``{...}{...}`` on one line, and torchrun's ``--tee`` copies
+    a half-written line as it finds it (``[default0]:{...}[default1]:{...}``). A line made only of objects and such
+    prefixes is read whole; any other line (a log, a warning) is skipped. Print with :func:`print_json` to avoid
+    the split in the first place."""
     import json
     import re
     decoder = json.JSONDecoder()
+    first = re.compile(r"\s*(\[[^\]]*\]:?\s*)*")            # [default0]: or [node0][default0]: before a line
+    between = re.compile(r"\s*((\[[^\]]*\])+:\s*)*")         # and before a line torchrun's copy ran into
     found = []
     for line in output.splitlines():
-        line = re.sub(r"^(\[[^\]]*\]:?)+", "", line.strip())
-        objects, at = [], 0
-        while line.startswith("{", at):                    # a line of objects only: {...}{...}
+        objects, at = [], first.match(line).end()
+        while line.startswith("{", at):
             try:
                 obj, at = decoder.raw_decode(line, at)
             except ValueError:
                 break
             objects.append(obj)
-            at = len(line) - len(line[at:].lstrip())
+            at = between.match(line, at).end()
         if objects and at == len(line):
             found += objects
     return found
+
+
+def print_json(obj) -> None:
+    """Print ``obj`` as one line of JSON in one write: ranks that share a stdout cannot split each other's lines (a
+    ``print`` is two writes when Python runs unbuffered, as under the course's launchers)."""
+    import json
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()

@@ -15,13 +15,16 @@ from .stages import (
            make_full_model,
            make_stage,
            measured_bubble,
+           measured_makespan,
            pipeline_worker,
            rank_imbalance,
            replayed,
            shift_to_common_origin,
            stretch,
+           typical_costs,
 )
 
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
-           "replayed", "rank_imbalance", "stretch", "UNDISTURBED", "shift_to_common_origin"]
+           "measured_makespan", "replayed", "rank_imbalance", "typical_costs", "stretch", "UNDISTURBED",
+           "shift_to_common_origin"]

@@ -124,10 +124,14 @@ def shift_to_common_origin(t0: float) -> float:
 def measured_bubble(results: list[dict]) -> float:
     """Idle share of the pipeline: 1 - (time spent computing) / (ranks x wall time), from real timelines (each
     rank's ``timeline`` holds ops whose last two fields are their start and end)."""
-    start = min(op[-2] for r in results for op in r["timeline"])
-    end = max(op[-1] for r in results for op in r["timeline"])
     busy = sum(op[-1] - op[-2] for r in results for op in r["timeline"])
-    return 1 - busy / (len(results) * (end - start))
+    return 1 - busy / (len(results) * measured_makespan(results))
+
+
+def measured_makespan(results: list[dict]) -> float:
+    """Seconds from the first op's start on any rank to the last op's end on any rank (the wall clock)."""
+    start = min(op[-2] for r in results for op in r["timeline"])
+    return max(op[-1] for r in results for op in r["timeline"]) - start
 
 
 UNDISTURBED = 1.2   # ops that took at most this times their CPU time ran nearly undisturbed
@@ -143,28 +147,44 @@ def stretch(results: list[dict]) -> float:
     return wall / sum(op[3] for r in results for op in r["timeline"])
 
 
-def rank_imbalance(results: list[dict]) -> float:
-    """How much more CPU time the busiest rank's ops used than the least busy one's, as a fraction (0.1: 10% more).
+def typical_costs(results: list[dict]) -> dict[tuple[str, int], float]:
+    """``{(op, stage): cost}``: the median CPU time of the ops of each kind (forward or backward) on each stage.
 
-    The bubble formulas assume equal stages; a rank whose ops take longer keeps its neighbour waiting, and the
-    replayed bubble grows by about this much (of the compute time). Equal stages can still measure unequal: two
-    processes computing at once on neighbouring cores slow each other, and not always evenly (up to ~20% on the
-    course's idle 2-core machine, a few percent when a third program time-slices them)."""
-    per_rank = [sum(op[3] for op in r["timeline"]) for r in results]
-    return max(per_rank) / min(per_rank) - 1
-
-
-def replayed(results: list[dict]) -> dict:
-    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with messages free and each
-    op lasting the CPU time it needed: the bubble the schedule itself leaves for these ops' real costs, without what
-    the wall clock adds (messages, overheads, and time-slicing on a busy machine).
-
-    An op's cost is the median CPU time of the ops of its kind (forward or backward) on its stage: one op slowed by
-    another program (sharing the memory bus or the caches) does not move the result; a slower stage does."""
+    One op slowed by another program does not move it; a slower stage does. Two processes computing at once can
+    slow each other's ops a lot: on the course's idle 2-core machine an op that ran while the other rank computed
+    could take ~2x the CPU time of one that ran alone."""
     costs: dict[tuple[str, int], list[float]] = {}
     for r in results:
         for op, _, s, cpu, _, _ in r["timeline"]:
             costs.setdefault((op, s), []).append(cpu)
-    typical = {key: statistics.median(values) for key, values in costs.items()}
-    stages = 1 + max(s for _, s in typical)
-    return play([[(op, i, s, typical[op, s]) for op, i, s, *_ in r["timeline"]] for r in results], stages)
+    return {key: statistics.median(values) for key, values in costs.items()}
+
+
+def rank_imbalance(results: list[dict]) -> float:
+    """How much more compute the busiest rank has than the least busy one in :func:`replayed` (its ops at their
+    :func:`typical_costs`), as a fraction (0.1: 10% more).
+
+    The bubble formulas assume equal stages. A rank whose ops take longer keeps its neighbour waiting; in the
+    course's 2-stage runs that added up to about half the imbalance to the idle time (as a share of the compute
+    time). Stages equal in work can still measure unequal, because two processes computing at once slow each other
+    and not always evenly: up to 20% on the course's idle 2-core machine, a few percent when a third program
+    time-slices them."""
+    typical = typical_costs(results)
+    per_rank = [sum(typical[op, s] for op, _, s, *_ in r["timeline"]) for r in results]
+    if not per_rank or min(per_rank) <= 0:
+        raise ValueError("rank_imbalance needs every rank's timeline with its ops' CPU times (op[3] > 0)")
+    return max(per_rank) / min(per_rank) - 1
+
+
+def replayed(results: list[dict], typical: bool = True) -> dict:
+    """The ranks' ops, in the order they ran, played again (:func:`.schedules.play`) with messages free and each
+    op lasting the CPU time it needed: the bubble the schedule itself leaves for these ops' real costs, without what
+    the wall clock adds (messages, overheads, and time-slicing on a busy machine).
+
+    With ``typical`` (the default) an op costs its stage's :func:`typical_costs` (the median of its kind); with
+    ``typical=False`` each op costs its own CPU time. No real run can be shorter than that second replay: each op
+    took at least its CPU time on the wall clock, and messages only add."""
+    costs = typical_costs(results)
+    stages = 1 + max(s for _, s in costs)
+    return play([[(op, i, s, costs[op, s] if typical else cpu) for op, i, s, cpu, *_ in r["timeline"]]
+                 for r in results], stages)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import os
 import pickle
 import signal
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib import checkpoint, hardware
 from course_lib.data import make_dataset
+from course_lib.launch.commands import print_json
 from course_lib.models import make_mlp
 
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_run", "losses")
@@ -300,7 +300,7 @@ def main(argv=None) -> dict:
         trainer = Trainer(args, ctx)
         summary = trainer.train()
         if ctx.rank == 0:
-            print(json.dumps(summary), flush=True)
+            print_json(summary)
         return summary
     finally:                                               # also when training raised:
         # Gloo's worker threads outlive destroy_process_group once DDP has used the group (torch 2.13), and

@@ -7,9 +7,9 @@ for the worker: its CPU thread budget (``OMP_NUM_THREADS``), whether the workers
 (``TORCHELASTIC_USE_AGENT_STORE``), and NCCL's error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); ``null``
 where unset.
 """
-import json
 import os
-import sys
+
+from course_lib.launch.commands import print_json
 
 if __name__ == "__main__":
     env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
@@ -18,5 +18,4 @@ if __name__ == "__main__":
     env["device_by_local_rank"] = f"cuda:{env['LOCAL_RANK']}"
     for name in ("OMP_NUM_THREADS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         env[name] = os.environ.get(name)
-    sys.stdout.write(json.dumps(env) + "\n")          # one write: ranks sharing a stdout cannot split it
-    sys.stdout.flush()
+    print_json(env)                       # one write: two ranks sharing a stdout cannot split each other's line
