@@ -213,7 +213,10 @@ def test_parallel_runs_never_collide_on_a_port(no_leftovers):
 def _start_waiting_run(pids_file):
     """A 'kernel' (a Python process) that runs 2 ranks which record their pids and wait."""
     script = textwrap.dedent(f"""
-        import os, time
+        import os, signal, time
+        # a Jupyter kernel handles SIGINT (its stop button), even when the shell that started it ignored SIGINT,
+        # as a script run in the background with nohup does, and Python would then ignore it too
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from course_lib.launch import run
         def wait_forever(rank, world_size):
             with open({str(pids_file)!r}, "a") as f:

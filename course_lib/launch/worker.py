@@ -60,6 +60,13 @@ def init_process_group(spec: dict) -> None:
                           timeout=timedelta(seconds=spec["timeout"]))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=spec["pg_timeout"]))
+    # Gloo's connection handshake can finish on one rank before the other: a rank whose fn returns at once could
+    # then exit while its peer still reads the handshake ("connectFullMesh failed ... Connection closed by peer",
+    # 6 in 1108 two-rank runs on a loaded 2-core machine). No rank leaves before every rank is initialised; through
+    # the store, so that no collective is added to what fn does.
+    if store.add("course_lib/initialised", 1) == world_size:
+        store.set("course_lib/all_initialised", "1")
+    store.wait(["course_lib/all_initialised"])
 
 
 def _frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
