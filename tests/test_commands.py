@@ -101,10 +101,22 @@ def test_json_lines_reads_objects_that_ranks_printed_onto_one_line():
     assert [o["rank"] for o in json_lines(out)] == [0, 1, 2, 3, 4, 5]
 
 
-def test_print_json_is_one_write(capfd):
+def test_print_json_is_one_write(monkeypatch):
+    import io
+
     from course_lib.launch.commands import print_json
+
+    class Counting(io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            Counting.writes += 1
+            return super().write(text)
+
+    out = Counting()
+    monkeypatch.setattr(sys, "stdout", out)
     print_json({"rank": 0, "nested": {"a": [1, 2]}})
-    assert json_lines(capfd.readouterr().out) == [{"rank": 0, "nested": {"a": [1, 2]}}]
+    assert Counting.writes == 1 and json_lines(out.getvalue()) == [{"rank": 0, "nested": {"a": [1, 2]}}]
 
 
 def test_plain_torchrun_workers_report_every_rank():

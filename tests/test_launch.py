@@ -214,8 +214,8 @@ def _start_waiting_run(pids_file):
     """A 'kernel' (a Python process) that runs 2 ranks which record their pids and wait."""
     script = textwrap.dedent(f"""
         import os, signal, time
-        # a Jupyter kernel handles SIGINT (its stop button), even when the shell that started it ignored SIGINT,
-        # as a script run in the background with nohup does, and Python would then ignore it too
+        # a Jupyter kernel handles SIGINT (its stop button) even when it inherited SIGINT ignored, as a command
+        # started with & from a script does (a shell without job control); Python would then ignore it too
         signal.signal(signal.SIGINT, signal.default_int_handler)
         from course_lib.launch import run
         def wait_forever(rank, world_size):

@@ -87,9 +87,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Print, as JSON, what the check needs to know about this rank's run."""
     module = getattr(model, "module", model)
     print_json({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-          "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
-          "set_device_before_init": _state["set_device_before_init"]})
-
+                "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
+                "set_device_before_init": _state["set_device_before_init"]})
 
 
 def _run_file(path: str) -> None:

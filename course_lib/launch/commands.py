@@ -224,7 +224,8 @@ def json_lines(output: str) -> list[dict]:
 
 def print_json(obj) -> None:
     """Print ``obj`` as one line of JSON in one write: ranks that share a stdout cannot split each other's lines (a
-    ``print`` is two writes when Python runs unbuffered, as under the course's launchers)."""
+    ``print`` is two writes when Python runs unbuffered, as under the course's launchers). A pipe keeps a write whole
+    up to 4096 bytes (PIPE_BUF): keep reports shorter."""
     import json
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()

@@ -8,6 +8,9 @@ Read this to see what a launcher such as ``torchrun`` does for every worker proc
    ``LOCAL_RANK`` and calls ``init_process_group``;
 3. it runs the user's function, and tears the process group down at the end.
 
+One step is ``run``'s own: no rank starts the function before every rank is initialised
+(:func:`_wait_for_every_rank`).
+
 What is specific to running from a notebook: the output of the whole process (file descriptors 1 and 2,
 so C++ and library messages too) goes to a file the parent prints in rank order; a watchdog thread
 kills the rank when the parent (the Jupyter kernel) dies; ``SIGUSR1`` dumps every thread's stack, which
@@ -46,8 +49,9 @@ def _die_with_parent(lifeline) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def init_process_group(spec: dict) -> None:
-    """Join the rendezvous (a client of the store the parent hosts) and initialise the default group."""
+def init_process_group(spec: dict):
+    """Join the rendezvous (a client of the store the parent hosts) and initialise the default group; returns the
+    store."""
     import torch
     import torch.distributed as dist
 
@@ -60,13 +64,20 @@ def init_process_group(spec: dict) -> None:
                           timeout=timedelta(seconds=spec["timeout"]))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=spec["pg_timeout"]))
-    # Gloo's connection handshake can finish on one rank before the other: a rank whose fn returns at once could
-    # then exit while its peer still reads the handshake ("connectFullMesh failed ... Connection closed by peer",
-    # 6 in 1108 two-rank runs on a loaded 2-core machine). No rank leaves before every rank is initialised; through
-    # the store, so that no collective is added to what fn does.
+    return store
+
+
+def _wait_for_every_rank(store, world_size: int) -> None:
+    """``run``'s own step, not torchrun's: no rank goes on to ``fn`` before every rank is initialised.
+
+    Gloo's connection handshake can finish on one rank before the other, and a rank whose ``fn`` returns at once
+    could then exit while its peer still reads the handshake ("connectFullMesh failed ... Connection closed by
+    peer": 6 in 1108 two-rank runs on a loaded 2-core machine, none in 812 with this step). Counted through the
+    store (each run has a fresh one), so that no collective is added to what ``fn`` does; torch's own
+    ``TORCH_DIST_INIT_BARRIER=1`` is a barrier of the same kind, off by default."""
     if store.add("course_lib/initialised", 1) == world_size:
         store.set("course_lib/all_initialised", "1")
-    store.wait(["course_lib/all_initialised"])
+    store.wait(["course_lib/all_initialised"])        # within the store's timeout: the run's
 
 
 def _frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
@@ -96,7 +107,7 @@ def main(spec_bytes: bytes, conn, lifeline) -> None:
         # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again
         dist.set_debug_level_from_env()
         if spec["init"]:
-            init_process_group(spec)
+            _wait_for_every_rank(init_process_group(spec), spec["world_size"])
         fn, args = cloudpickle.loads(spec["payload"])
         result = fn(spec["rank"], spec["world_size"], *args)
         try:
