@@ -10,12 +10,14 @@
 """
 from .schedules import KINDS, bubble_formula, bubble_overhead, peak_in_flight, play, schedule, simulate, simulate_plan
 from .stages import (
+           BALANCED,
            UNDISTURBED,
            make_batch,
            make_full_model,
            make_stage,
            measured_bubble,
            measured_makespan,
+           most_balanced,
            pipeline_worker,
            rank_imbalance,
            replayed,
@@ -26,5 +28,5 @@ from .stages import (
 
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
-           "measured_makespan", "replayed", "rank_imbalance", "typical_costs", "stretch", "UNDISTURBED",
-           "shift_to_common_origin"]
+           "measured_makespan", "replayed", "rank_imbalance", "typical_costs", "stretch", "UNDISTURBED", "BALANCED",
+           "most_balanced", "shift_to_common_origin"]
