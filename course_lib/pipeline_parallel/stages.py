@@ -168,7 +168,8 @@ def rank_imbalance(results: list[dict]) -> float:
     course's 2-stage runs that added up to about half the imbalance to the idle time (as a share of the compute
     time). Stages equal in work can still measure unequal, because two processes computing at once slow each other
     and not always evenly: up to 25% on the course's idle 2-core machine with ops of 20 ms and more, a few percent
-    when a third program time-slices them (:func:`most_balanced`)."""
+    when a third program time-slices them, with 4 or more ops per stage (one op can be 40% off): see
+    :func:`most_balanced`."""
     typical = typical_costs(results)
     per_rank = [sum(typical[op, s] for op, _, s, *_ in r["timeline"]) for r in results]
     if not per_rank or min(per_rank) <= 0:
@@ -181,24 +182,26 @@ BALANCED = 0.3   # ranks of equal stages whose CPU times differ more than this m
 
 def most_balanced(attempt, tries: int = 3, imbalance=rank_imbalance) -> tuple:
     """Call ``attempt()`` (a real run) until ``imbalance`` of what it returns is below :data:`BALANCED`, at most
-    ``tries`` times; return ``(results, imbalance, runs)`` for the most balanced run.
+    ``tries`` runs in all; return ``(results, imbalance, imbalances)``: the most balanced run's results and
+    imbalance, and every run's imbalance in the order measured (``len(imbalances)`` runs were made).
 
     A measurement repeated, as a benchmark is, not a bug retried: equal stages measure unequal when the machine
     slows one rank more than the other. Two processes computing at once slow each other, not always evenly: on the
-    course's idle 2-core machine one rank came out up to 25% slower with ops of 20 ms and more, and up to 64% with ops
-    of 1 ms (30 runs each); with a third program time-slicing both, a few percent. Stages that really differ (one
-    twice as deep) come out unequal every time, and the caller's check of the returned imbalance still fails."""
+    course's idle 2-core machine one rank of :func:`pipeline_worker` came out up to 25% slower with ops of 20 ms and
+    more, and up to 64% with ops of 1 ms (30 runs each); with a third program time-slicing both, a few percent.
+    The check of the returned imbalance catches stages that differ a lot (one twice as deep measures about 100%
+    more in every run), not an imbalance near :data:`BALANCED`: one run of 3 below it passes."""
     if tries < 1:
         raise ValueError(f"most_balanced needs tries >= 1, got {tries}")
-    best = None
-    for runs in range(1, tries + 1):
+    best, imbalances = None, []
+    for _ in range(tries):
         results = attempt()
-        measured = imbalance(results)
-        if best is None or measured < best[1]:
-            best = (results, measured, runs)
-        if measured < BALANCED:
+        imbalances.append(imbalance(results))
+        if best is None or imbalances[-1] < best[1]:
+            best = (results, imbalances[-1])
+        if imbalances[-1] < BALANCED:
             break
-    return best[0], best[1], runs
+    return best[0], best[1], imbalances
 
 
 def replayed(results: list[dict], typical: bool = True) -> dict:
