@@ -6,18 +6,20 @@ The layers, each using only those above it:
 ``hardware``              what this machine has; the backend policy; each rank's device (by local rank)
 ``launch/``               ranks from a notebook cell (``launch.run``), the rank's side (``launch.worker``),
                           errors, and ``torchrun`` jobs from a cell (``launch.commands``)
+``parallelism``           how many cores two ranks really get here (measured), and the speed-up to expect
 ``data``, ``models/``     generated data sets; the course's models, built from a seed
 ``checkpoint``            atomic saves by one rank, safe loads on every rank
-``comm/``                 collectives' meaning, all-reduce from scratch, the α-β cost model
+``comm/``                 collectives' meaning, all-reduce from scratch, the α-β cost model, every collective
+                          that runs recorded (``comm.record``)
 ``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
 ``model_parallel/``       layers split across devices in one process
 ``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining
 ``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
+``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
+                          blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``memory/``               the bytes training needs, predicted and measured: activations, recomputation,
                           accumulation, the layout calculator
 ``precision/``            number formats, mixed precision, loss scaling, precision on the wire
-``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
-                          blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``faults``                things broken on purpose, each ending as a clear error
 ``viz/``                  pictures, explorers (widgets) and source listings
 ``exercises/``            the checks of the notebooks' exercises
@@ -39,10 +41,11 @@ Notebook → the modules it shows and uses:
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex06``
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
 * 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
-  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``tensor_parallel.comm`` (``CollectiveLog``), ``viz.sharding``,
+  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``comm.record`` (``CollectiveLog``), ``viz.sharding``,
   ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex08``
 * 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
   ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
+  ``memory.activations`` (``split_block_worker``), ``comm.record``,
   ``viz.tensor_parallel``, ``exercises.ex09``
 * 10 memory and precision: ``memory`` (``activations``, ``saved``, ``recompute``, ``accumulation``, ``planner``,
   ``verify``), ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``viz.widgets``

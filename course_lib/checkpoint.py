@@ -5,11 +5,16 @@ the disk fills — leaves a truncated file where the last good checkpoint was.  
 writes to a temporary file in the same directory, flushes it to disk, and only then renames it over
 the old one: a rename within one filesystem is atomic, so a reader sees the old checkpoint or the new
 one, never half of one.
+
+Also: :func:`fingerprint`, a short hash of a model's weights (two runs that print the same one ended with
+identical weights), and :func:`why_unusable`, a refused checkpoint's reason in words.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import pickle
 import tempfile
 
 import torch
@@ -57,3 +62,25 @@ def _remove_stale(directory: str, name: str) -> None:
 def load(path: str | os.PathLike, map_location=None):
     """Load a checkpoint of tensors and plain values only (``weights_only=True``: no code runs)."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def fingerprint(state: dict) -> str:
+    """A short hash of the weights: two runs with the same fingerprint ended with identical weights."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def why_unusable(e: Exception) -> str:
+    """Why a file ``torch.load`` refused cannot be resumed from, in words (for an error that says what to do)."""
+    text = str(e)
+    mismatch = [line.strip() for line in text.splitlines() if "size mismatch" in line or "Missing key" in line]
+    if mismatch:
+        return "another model's weights (" + mismatch[0].rstrip(".") + ")"
+    if "Weights only load failed" in text or isinstance(e, (EOFError, pickle.UnpicklingError)) or "zip archive" in text:
+        return "the file is damaged or is not a torch.save file of tensors"
+    if isinstance(e, KeyError):
+        return f"it has no {e.args[0]} entry"
+    return f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"

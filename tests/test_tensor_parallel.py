@@ -320,9 +320,9 @@ def test_sharded_dropout_alone():
 
 
 def test_sequence_parallelism_shards_the_layernorm_and_dropout_activations():
-    from course_lib.tensor_parallel.sequence import activation_worker
+    from course_lib.memory.activations import split_block_worker
     b, s, d, n = 2, SMALL.seq_len, SMALL.dim, 2
-    kept, with_dropout = run(activation_worker, n, [SMALL, SMALL.with_(dropout=0.1)], backend="gloo",
+    kept, with_dropout = run(split_block_worker, n, [SMALL, SMALL.with_(dropout=0.1)], backend="gloo",
                              show_output=False)[0]
     stats = lambda saved, seq: [x for x in saved if x.shape == (b, seq, 1)]  # noqa: E731  LayerNorm mean, 1/std
     assert len(stats(kept[False], s)) == 4 and stats(kept[True], s) == [] and len(stats(kept[True], s // n)) == 4

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint
 from ..data import make_dataset
 from ..launch.commands import print_json
 from ..models import make_mlp
@@ -74,20 +75,11 @@ def YourDataset(n: int = 512):  # noqa: N802 (the seed's name)
     return make_dataset(n, seed=0)
 
 
-def fingerprint(model: torch.nn.Module) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Print, as JSON, what the check needs to know about this rank's run."""
     module = getattr(model, "module", model)
     print_json({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "lr": optimizer.param_groups[0]["lr"], "weights": fingerprint(module),
+                "lr": optimizer.param_groups[0]["lr"], "weights": checkpoint.fingerprint(module.state_dict()),
                 "set_device_before_init": _state["set_device_before_init"]})
 
 

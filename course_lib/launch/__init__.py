@@ -2,6 +2,7 @@
 
 * :mod:`.runner`: the notebook's side. :func:`run` starts the ranks, hosts the rendezvous store, relays
   each rank's output in rank order and turns failures into exceptions.
+* :mod:`.processes`: the rank processes, started from a forkserver that imported torch once, and killed.
 * :mod:`.worker`: the rank's side, what each process does (what ``torchrun`` does for every worker).
 * :mod:`.errors`: the exceptions :func:`run` raises, and a rank's traceback pointed back at the cell.
 * :mod:`.commands`: commands and ``torchrun`` jobs from a cell that fail the cell when they fail.

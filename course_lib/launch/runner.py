@@ -17,9 +17,8 @@ How it works, and why:
   notebook reach the ranks (``torch.multiprocessing.spawn`` pickles them by name and fails on
   ``__main__``).
 * The processes come from a **forkserver** that imported torch once: a run after the first costs a
-  fraction of a second instead of a fresh ``import torch`` per rank.  The server never touches CUDA, so
-  the ranks can use GPUs (a plain ``fork`` of a kernel that used CUDA cannot).  Where the platform has no
-  forkserver, ``spawn`` is used.
+  fraction of a second instead of a fresh ``import torch`` per rank (:mod:`.processes`, which also starts
+  and kills them).
 * Every rank's output (Python's and C++'s) is captured and printed here, prefixed and **in rank
   order**, once the run ends: the same in JupyterLab and under nbval.
 * Failures are errors, never hangs: a rank that raises, dies or runs past ``timeout`` stops the run,
@@ -27,86 +26,23 @@ How it works, and why:
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing import spawn as mp_spawn
 from multiprocessing.connection import wait
 
 import cloudpickle
 
 from .. import hardware
-from . import worker
+from . import processes
 from .errors import PEER_GONE, RankDiedError, RankError, RunTimeoutError, remote_traceback
 
 DEFAULT_TIMEOUT = 120.0
 HOST = "127.0.0.1"
-# What a fresh rank process executes: the caller's sys.path first (so it finds what the notebook finds),
-# then the worker module's entry point (course_lib/launch/worker.py).
-_BOOT = ("import sys\nsys.path[:0] = [p for p in SYS_PATH if p not in sys.path]\n"
-         f"from {worker.__name__} import main\nmain(SPEC, CONN, LIFELINE)\n")
-
-
-_fast_context = None
-RANK_PROCESS_PREFIX = "course_lib-rank"
-
-
-def _context():
-    """The multiprocessing context: a forkserver with torch preloaded where available, else spawn.
-
-    Process-wide, and why that is safe: Python keeps one forkserver per process, shared by every user of
-    the ``forkserver`` start method in this kernel. Asking it to preload torch only makes their processes
-    start faster too; if someone else started the server first, it runs as they started it and our runs
-    merely start more slowly.
-    """
-    global _fast_context
-    if _fast_context is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _fast_context = mp.get_context("forkserver")
-            # torch._dynamo too: DDP, FSDP and DTensor import it on first use, which costs seconds per rank
-            _fast_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "cloudpickle"])
-        else:
-            _fast_context = mp.get_context("spawn")
-    return _fast_context
-
-
-_start_lock = threading.Lock()
-
-
-@contextmanager
-def _without_main_module():
-    """Start our rank processes without re-running the caller's script in them.
-
-    multiprocessing normally re-imports ``__main__`` in every child (hence the ``if __name__ ==
-    "__main__"`` rule); ``fn`` travels by value here, so the ranks need nothing from the script.
-    multiprocessing has no option for this, so its ``get_preparation_data`` is replaced while our
-    processes start. Narrowed to be safe: the replacement is installed under a lock, only for the
-    duration of ``start()``, and it changes only processes named ``course_lib-rank*``; any process
-    another thread starts meanwhile gets multiprocessing's own preparation data.
-    """
-    original = mp_spawn.get_preparation_data
-
-    def preparation_data(name):
-        data = original(name)
-        if name.startswith(RANK_PROCESS_PREFIX):
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-        return data
-
-    with _start_lock:
-        mp_spawn.get_preparation_data = preparation_data
-        try:
-            yield
-        finally:
-            mp_spawn.get_preparation_data = original
 
 
 def free_port(host: str = HOST) -> int:
@@ -114,17 +50,6 @@ def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _kill(proc) -> None:
-    if proc.pid is None:
-        return
-    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-        try:
-            kill()
-            return
-        except (ProcessLookupError, PermissionError, AttributeError, OSError):
-            continue
 
 
 def _validate(fn, world_size, timeout) -> None:
@@ -164,7 +89,7 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
     except Exception as e:
         raise TypeError(f"fn or its arguments cannot be sent to the ranks ({type(e).__name__}: {e}). "
                         "Pass plain data (tensors, numbers, lists); open files, locks and sockets inside fn.") from e
-    ctx = _context()
+    ctx = processes.context()
     store = None
     if init:  # the rendezvous store lives here; the OS picks its port, so parallel runs never collide
         import torch.distributed as dist
@@ -190,12 +115,7 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
                     "env": {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}}
             result_r, result_w = ctx.Pipe(duplex=False)
             life_r, life_w = ctx.Pipe(duplex=False)
-            child_globals = {"SYS_PATH": list(sys.path), "SPEC": cloudpickle.dumps(spec),
-                             "CONN": result_w, "LIFELINE": life_r}
-            proc = ctx.Process(target=exec, args=(_BOOT, child_globals), name=f"{RANK_PROCESS_PREFIX}{rank}",
-                               daemon=True)
-            with _without_main_module():
-                proc.start()
+            proc = processes.start_rank(rank, spec, result_w, life_r)
             result_w.close()
             life_r.close()
             procs.append(proc)
@@ -208,7 +128,7 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout: float =
             if finished and proc.is_alive():
                 proc.join(timeout=5)  # the rank returned and is tearing down its process group
             if proc.is_alive():
-                _kill(proc)
+                processes.kill(proc)
         for proc in procs:
             proc.join(timeout=5)
         for c in conns + lifelines:
@@ -239,7 +159,7 @@ def _collect(procs, conns, world_size, timeout, fn, grace: float = 1.0):
         if remaining <= 0:
             if failures:
                 break
-            _dump_stacks([procs[r] for r in sorted(pending)])
+            processes.dump_stacks([procs[r] for r in sorted(pending)])
             return results, RunTimeoutError(timeout, sorted(pending), world_size)
         waitables = {conns[r]: r for r in pending}
         waitables.update({procs[r].sentinel: r for r in pending})
@@ -273,18 +193,6 @@ def _collect(procs, conns, world_size, timeout, fn, grace: float = 1.0):
         primary.args = (primary.args[0] + "\n\nThen, as a consequence: " +
                         "; ".join(str(f).splitlines()[0] for f in others),)
     return results, primary
-
-
-def _dump_stacks(procs, settle: float = 0.5) -> None:
-    """Ask each rank for its Python stack (faulthandler, on SIGUSR1) before it is killed."""
-    if not hasattr(signal, "SIGUSR1"):
-        return
-    for proc in procs:
-        try:
-            os.kill(proc.pid, signal.SIGUSR1)
-        except (ProcessLookupError, TypeError):
-            pass
-    time.sleep(settle)
 
 
 def _read(path: str) -> str:

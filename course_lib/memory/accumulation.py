@@ -32,10 +32,10 @@ def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ..comm.record import CollectiveLog
     from ..data import make_token_dataset
     from ..hardware import rank_device, synchronize
     from ..models.transformer import lm_loss, transformer
-    from ..tensor_parallel.comm import CollectiveLog
 
     device = rank_device()
     per_rank = batch // world_size

@@ -219,3 +219,30 @@ def held_bytes(fn, *args, params=()) -> tuple[object, Held]:
             held.total += nbytes
             held.parameter_copies += nbytes if from_param else 0
     return out, held
+
+
+def split_block_worker(rank: int, world_size: int, cfgs: list, batch: int = 2, seed: int = 0) -> list[dict]:
+    """For each config of ``cfgs`` (a :class:`~course_lib.models.TransformerConfig`), the activations one block
+    split across the ranks (:class:`course_lib.tensor_parallel.ParallelBlock`, notebook 09) keeps for backward on
+    this rank, measured by :func:`.saved.saved_tensors`: ``{False: tensor parallel, True: with sequence
+    parallelism}``, one dict per config."""
+    from .. import hardware
+    from ..models.transformer import Block
+    from ..tensor_parallel import ParallelBlock
+    from .saved import saved_tensors
+
+    device = hardware.rank_device()
+    out = []
+    for cfg in cfgs:
+        kept = {}
+        for sequence_parallel in (False, True):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel).to(device)
+            x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
+            if sequence_parallel:
+                x = x.chunk(world_size, 1)[rank].contiguous()
+            x.requires_grad_()
+            kept[sequence_parallel] = saved_tensors(block, x, exclude=list(block.parameters()))[1]
+        out.append(kept)
+    return out

@@ -5,7 +5,7 @@
 * ZeRO stages 1, 2 and 3 from scratch (notebook 08): the bytes behind each rank's parameters, gradients and
   optimizer states after a step (``zero.rank_bytes``), and the collectives a step issues (``count_traffic``);
 * DDP: the bytes its gradient all-reduce carries (counted by notebook 09's
-  :class:`~course_lib.tensor_parallel.comm.CollectiveLog`);
+  :class:`~course_lib.comm.record.CollectiveLog`);
 * one rank's unsplit model: the activations saved for backward, and the matrix-product FLOPs of a step, with
   and without whole-layer recomputation (notebook 10);
 * tensor parallelism (notebook 09's split transformer): the parameters a rank holds, the activations it saves
@@ -39,9 +39,9 @@ def measure_worker(rank: int, world_size: int, cfg, batch: int = 2) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ..comm.record import CollectiveLog
     from ..models.transformer import lm_loss, transformer
     from ..tensor_parallel import tensor_parallel_transformer
-    from ..tensor_parallel.comm import CollectiveLog
     from ..zero import rank_bytes, shard
     from ..zero.flat import count_traffic
     from .recompute import measure_policy, with_recomputation

@@ -15,7 +15,7 @@ registered as it is.
 reduce_dtype=...))``: the sharded fp32 parameters are all-gathered as bf16 for the forward and backward, and
 the gradients reduce-scattered in ``reduce_dtype``; the optimizer still steps fp32 shards.
 
-The collectives are counted by notebook 09's ``CollectiveLog`` (a dispatch mode that sees every ``c10d``
+The collectives are counted by :class:`course_lib.comm.record.CollectiveLog` (a dispatch mode that sees every ``c10d``
 operator): DDP's default all-reduce is issued from C++ and is invisible to it, so the
 fp32 baseline registers PyTorch's ``allreduce_hook``, which does what the default does, from Python.
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ..tensor_parallel.comm import CollectiveLog
+from ..comm.record import CollectiveLog
 
 
 def bf16_compress(process_group, bucket):

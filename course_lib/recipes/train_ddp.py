@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import os
-import pickle
 import signal
 import sys
 import time
@@ -159,27 +157,6 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def fingerprint(state: dict) -> str:
-    """A short hash of the weights: two runs with the same fingerprint ended with identical weights."""
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _why_unusable(e: Exception) -> str:
-    text = str(e)
-    mismatch = [line.strip() for line in text.splitlines() if "size mismatch" in line or "Missing key" in line]
-    if mismatch:
-        return "another model's weights (" + mismatch[0].rstrip(".") + ")"
-    if "Weights only load failed" in text or isinstance(e, (EOFError, pickle.UnpicklingError)) or "zip archive" in text:
-        return "the file is damaged or is not a torch.save file of tensors"
-    if isinstance(e, KeyError):
-        return f"it has no {e.args[0]} entry"
-    return f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
-
-
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, amp: bool) -> torch.Tensor:
     """One step: forward (in bf16 under autocast when ``amp``; the weights stay fp32), loss in fp32,
     backward (DDP all-reduces the gradients during it), update. Returns the loss, not synchronised."""
@@ -232,8 +209,8 @@ class Trainer:
                 group["lr"] = self.lr
             self.epochs_run, self.losses = int(snap["epochs_run"]), list(snap["losses"])
         except Exception as e:                             # not ours, damaged, or another model's shape
-            raise SystemExit(f"error: cannot resume from {path}: {_why_unusable(e)}. It must be a snapshot this "
-                             f"recipe wrote with the same --hidden ({self.args.hidden}) and "
+            raise SystemExit(f"error: cannot resume from {path}: {checkpoint.why_unusable(e)}. It must be a "
+                             f"snapshot this recipe wrote with the same --hidden ({self.args.hidden}) and "
                              f"--depth ({self.args.depth}):"
                              f" rerun with the options it was written with, or move it away to start afresh.") from e
         self.log(f"resumed from {self.args.checkpoint} after {self.epochs_run} epoch(s)")
@@ -289,7 +266,7 @@ class Trainer:
                 "losses": self.losses,
                 "samples_per_s": samples / elapsed if elapsed > 0 else None,
                 "cpus": hardware.cpu_count(),                  # the cores it may use: what SLURM bound it to
-                "weights": fingerprint(state)}
+                "weights": checkpoint.fingerprint(state)}
 
 
 def main(argv=None) -> dict:

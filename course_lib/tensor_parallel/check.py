@@ -177,7 +177,7 @@ def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | 
     (``norm``, with the collectives it ran, ``norm collectives``), next to the unsplit block's (``unsplit norm``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .comm import CollectiveLog
+    from ..comm.record import CollectiveLog
 
     cfg = cfg or TransformerConfig()
     device = hardware.rank_device()

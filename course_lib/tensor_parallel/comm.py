@@ -1,15 +1,10 @@
-"""What tensor parallelism sends: every collective of a forward and a backward, recorded with its size.
-
-:class:`CollectiveLog` is a ``TorchDispatchMode``: while it is active it sees every operator that runs,
-including the collectives that ``torch.distributed`` issues (``c10d.allreduce_``...) and those DTensor issues
-(``_c10d_functional.all_reduce``...). So it counts the from-scratch layers and ``parallelize_module``'s alike.
-An operator on DTensors is first handed back to DTensor (a mode runs before a tensor subclass), so that the
-collectives DTensor runs *inside* it (the norm of a ``Partial`` gradient...) come back here and are counted too,
-as ``torch.distributed.tensor.debug.CommDebugMode`` does.
+"""What tensor parallelism sends: every collective of a forward and a backward, recorded with its size by
+:class:`course_lib.comm.record.CollectiveLog` (a ``TorchDispatchMode`` that sees every collective that runs, the
+from-scratch layers' and ``parallelize_module``'s alike; imported here, where notebook 09 first uses it).
 
 Bytes each rank sends, for a collective over N ranks of a tensor of n bytes (the whole tensor: the all-gather's
 output, the reduce-scatter's input), done as a ring as in notebook 02
-(:func:`course_lib.comm.costmodel.steps_and_volume`):
+(:func:`course_lib.comm.costmodel.ring_steps_and_bytes`):
 
 * all-reduce: 2(N-1)/N · n in 2(N-1) steps;
 * all-gather, reduce-scatter: each is one half of the ring all-reduce, (N-1)/N · n in N-1 steps.
@@ -22,86 +17,12 @@ That is why sequence parallelism's all-gather + reduce-scatter costs what tensor
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.costmodel import ring_steps_and_bytes  # the notebooks count with it from here too
+from ..comm.record import Collective, CollectiveLog, kind_of
 
-KINDS = {"allreduce": "all-reduce", "all_reduce": "all-reduce", "allgather": "all-gather",
-         "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective: its kind, the whole tensor's bytes, and whether it ran in the forward or backward pass."""
-
-    kind: str
-    nbytes: int
-    phase: str
-
-
-COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-
-
-def kind_of(op_name: str) -> str | None:
-    """``"all-reduce"``, ``"all-gather"`` or ``"reduce-scatter"`` for an operator named like ``c10d::allreduce_``;
-    ``None`` for anything else. Only the communication libraries' operators count: FSDP2's local
-    ``fsdp::all_gather_copy_in`` (a copy into the send buffer) says "all_gather" but sends nothing."""
-    namespace, _, rest = op_name.partition("::")
-    if namespace not in COMM_NAMESPACES:
-        return None
-    name = rest.split(".")[0].lower()
-    if "coalesced" in name:
-        return None
-    return next((kind for key, kind in KINDS.items() if key in name), None)
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-
-
-class CollectiveLog(TorchDispatchMode):
-    """Records each collective run while active; ``with log.during("backward"): loss.backward()`` labels them."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[Collective] = []
-        self.phase = "forward"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented   # DTensor runs it, and its collectives on local tensors come back here
-        out = func(*args, **(kwargs or {}))
-        kind = kind_of(func.name())
-        if kind is not None:
-            sizes = [t.numel() * t.element_size() for t in _tensors((args, out))]
-            self.records.append(Collective(kind, max(sizes, default=0), self.phase))
-        return out
-
-    @contextmanager
-    def during(self, phase: str):
-        previous, self.phase = self.phase, phase
-        try:
-            yield self
-        finally:
-            self.phase = previous
-
-    def summary(self, world_size: int) -> dict:
-        """Per phase: the collectives' kinds, and the bytes each rank sends (ring) in total."""
-        out: dict = {}
-        for r in self.records:
-            entry = out.setdefault(r.phase, {"collectives": [], "bytes_sent": 0.0})
-            entry["collectives"].append(r.kind)
-            entry["bytes_sent"] += ring_steps_and_bytes(r.kind, r.nbytes, world_size)[1]
-        return out
+__all__ = ["CollectiveLog", "Collective", "kind_of", "ring_steps_and_bytes", "collectives_worker"]
 
 
 def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], cfg=None,

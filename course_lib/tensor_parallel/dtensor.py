@@ -125,14 +125,15 @@ def placements_worker(rank: int, world_size: int, rows: int = 4, cols: int = 4) 
     """One (rows × cols) tensor, ``arange``, as a DTensor in each placement, and redistributed between them.
 
     Returns ``{"placements": {label: local part}, "redistribute": {label: (local part, [collectives])}}``: what
-    this rank holds, and which collective each ``redistribute`` ran (recorded by :class:`.comm.CollectiveLog`).
+    this rank holds, and which collective each ``redistribute`` ran (recorded by
+    :class:`course_lib.comm.record.CollectiveLog`).
     """
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, distribute_tensor
 
     from .. import hardware
-    from .comm import CollectiveLog
+    from ..comm.record import CollectiveLog
 
     device = hardware.rank_device()
     mesh = init_device_mesh(device.type, (world_size,))

@@ -63,31 +63,6 @@ def join_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     return gather_sequence(x, 1, group)
 
 
-def activation_worker(rank: int, world_size: int, cfgs: list, batch: int = 2, seed: int = 0) -> list[dict]:
-    """For each config of ``cfgs`` (a :class:`~course_lib.models.TransformerConfig`), the activations one split
-    block keeps for backward on this rank, measured by :func:`course_lib.memory.saved_tensors`:
-    ``{False: tensor parallel, True: with sequence parallelism}``, one dict per config."""
-    from .. import hardware
-    from ..memory import saved_tensors
-    from ..models.transformer import Block
-
-    device = hardware.rank_device()
-    out = []
-    for cfg in cfgs:
-        kept = {}
-        for sequence_parallel in (False, True):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                block = ParallelBlock(Block(cfg), sequence_parallel=sequence_parallel).to(device)
-            x = torch.randn(batch, cfg.seq_len, cfg.dim, device=device)
-            if sequence_parallel:
-                x = x.chunk(world_size, 1)[rank].contiguous()
-            x.requires_grad_()
-            kept[sequence_parallel] = saved_tensors(block, x, exclude=list(block.parameters()))[1]
-        out.append(kept)
-    return out
-
-
 def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
                                  sequence_parallel: bool = False, attention_scores: bool = True) -> float:
     """Bytes of activations one transformer layer keeps for backward: the formulas of Korthikanti et al. (2022,
@@ -99,7 +74,8 @@ def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, 
     * ``attention_scores=False`` drops the ``5·a·s/h`` term: the ``heads × seq × seq`` scores, softmax and its
       dropout mask not kept (the paper's selective recomputation; FlashAttention-style kernels keep none either).
 
-    Computed from the formula, not measured: :func:`activation_worker` measures this course's small block.
+    Computed from the formula, not measured: :func:`course_lib.memory.activations.split_block_worker` measures
+    this course's small block.
     """
     sbh = seq * batch * hidden
     scores = 5 * heads * seq / hidden / tp if attention_scores else 0.0

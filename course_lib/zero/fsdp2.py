@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.record import CollectiveLog
 from ..hardware import rank_device
-from ..tensor_parallel.comm import CollectiveLog
 from .flat import owned_parameters
 
 
