@@ -1,31 +1,31 @@
 """course_lib: the tested code behind the notebooks of the distributed-training course.
 
-The layers, each using only those above it:
+The layers, each using only itself and those above it (``tests/test_house.py`` checks it):
 
-========================  ==================================================================================
-``hardware``              what this machine has; the backend policy; each rank's device (by local rank)
-``launch/``               ranks from a notebook cell (``launch.run``), the rank's side (``launch.worker``),
-                          errors, and ``torchrun`` jobs from a cell (``launch.commands``)
-``parallelism``           how many cores two ranks really get here (measured), and the speed-up to expect
-``data``, ``models/``     generated data sets; the course's models, built from a seed
-``checkpoint``            atomic saves by one rank, safe loads on every rank
-``comm/``                 collectives' meaning, all-reduce from scratch, the α-β cost model, every collective
-                          that runs recorded (``comm.record``)
-``data_parallel/``        gradient averaging, MiniDDP, the training loop and its one-process reference
-``model_parallel/``       layers split across devices in one process
-``pipeline_parallel/``    GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining
-``zero/``                 sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
-``tensor_parallel/``      each layer's matrices split across ranks: f and g, column/row-parallel layers, split
-                          blocks, sequence parallelism, DTensor plans, the 2-D mesh
-``memory/``               the bytes training needs, predicted and measured: activations, recomputation,
-                          accumulation, the layout calculator
-``precision/``            number formats, mixed precision, loss scaling, precision on the wire
-``faults``                things broken on purpose, each ending as a clear error
-``viz/``                  pictures, explorers (widgets) and source listings
-``exercises/``            the checks of the notebooks' exercises
-``recipes/``              scripts that run unchanged under torchrun (and SLURM)
-``course_map``, ``doctor``  the notebooks and what runs here (``python -m course_lib map|doctor``)
-========================  ==================================================================================
+============================  ==================================================================================
+``hardware``                  what this machine has; the backend policy; each rank's device (by local rank)
+``launch/``                   ranks from a notebook cell (``launch.run``), the rank's side (``launch.worker``),
+                              errors, and ``torchrun`` jobs from a cell (``launch.commands``)
+``parallelism``               how many cores two ranks really get here (measured), and the speed-up to expect
+``data``, ``models/``         generated data sets; the course's models, built from a seed
+``checkpoint``                atomic saves by one rank, safe loads on every rank
+``comm/``                     collectives' meaning, all-reduce from scratch, the α-β cost model, the collectives
+                              that run, recorded (``comm.record``)
+``data_parallel/``            gradient averaging, MiniDDP, the training loop and its one-process reference
+``model_parallel/``           layers split across devices in one process
+``pipeline_parallel/``        GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining
+``zero/``                     sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
+``tensor_parallel/``          each layer's matrices split across ranks: f and g, column/row-parallel layers, split
+                              blocks, sequence parallelism, DTensor plans, the 2-D mesh
+``memory/``                   the bytes training needs, predicted and measured: activations, recomputation,
+                              accumulation, the layout calculator
+``precision/``                number formats, mixed precision, loss scaling, precision on the wire
+``faults``                    things broken on purpose, each ending as a clear error
+``viz/``                      pictures, explorers (widgets) and source listings
+``exercises/``                the checks of the notebooks' exercises
+``recipes/``                  scripts that run unchanged under torchrun (and SLURM)
+``course_map``, ``doctor``    the notebooks and what runs here (``python -m course_lib map|doctor``)
+============================  ==================================================================================
 
 Notebook → the modules it shows and uses:
 

@@ -7,7 +7,7 @@ the old one: a rename within one filesystem is atomic, so a reader sees the old 
 one, never half of one.
 
 Also: :func:`fingerprint`, a short hash of a model's weights (two runs that print the same one ended with
-identical weights), and :func:`why_unusable`, a refused checkpoint's reason in words.
+identical weights), and :func:`why_unusable`, why a checkpoint cannot be resumed from, in words.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def fingerprint(state: dict) -> str:
 
 
 def why_unusable(e: Exception) -> str:
-    """Why a file ``torch.load`` refused cannot be resumed from, in words (for an error that says what to do)."""
+    """Why a checkpoint cannot be resumed from (damaged, not tensors, missing an entry, or another model's
+    weights), in words, from the exception loading it raised: for an error that says what to do."""
     text = str(e)
     mismatch = [line.strip() for line in text.splitlines() if "size mismatch" in line or "Missing key" in line]
     if mismatch:

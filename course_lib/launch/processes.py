@@ -4,7 +4,7 @@
   instead of a fresh ``import torch``), or ``spawn`` where the platform has no forkserver.
 * :func:`start_rank`: a rank process that runs :func:`.worker.main`, started without re-running the
   caller's script (:func:`without_main_module`).
-* :func:`dump_stacks` and :func:`kill`: ask ranks for their Python stacks, then kill a rank and its children.
+* :func:`dump_stacks` and :func:`kill`: ask ranks for their Python stacks; kill a rank with its process group.
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def start_rank(rank: int, spec: dict, conn, lifeline):
 
 
 def kill(proc) -> None:
-    """Kill a rank process and its process group (what it started), whatever state it is in."""
+    """Kill a rank process and its process group (what it started, unless in a session of its own): the rank
+    makes itself a group leader first thing (:func:`.worker.main`); before that, the rank alone is killed."""
     if proc.pid is None:
         return
     for kill_it in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):

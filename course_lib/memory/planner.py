@@ -12,7 +12,7 @@ step and the extra compute. Everything is assembled from the pieces the notebook
 * activations: :func:`.activations.model_activation_bytes` (measured = derived, notebook 10), split by ``t``;
   whole-layer recomputation keeps one ``b·s·h`` input per layer and rebuilds one layer at a time in backward;
   ZeRO-3 also holds one gathered layer;
-* communication: the collectives of one step, each priced as a ring (:func:`course_lib.tensor_parallel.comm.
+* communication: the collectives of one step, each priced as a ring (:func:`course_lib.comm.costmodel.
   ring_steps_and_bytes`): DDP all-reduces the gradients; ZeRO-1/2 reduce-scatter them and all-gather the
   weights (the same bytes); ZeRO-3 all-gathers the weights twice (forward, backward); tensor parallelism
   all-reduces one activation four times per layer (:func:`course_lib.tensor_parallel.cost.layer_collectives`),

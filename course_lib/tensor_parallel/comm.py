@@ -1,6 +1,7 @@
 """What tensor parallelism sends: every collective of a forward and a backward, recorded with its size by
-:class:`course_lib.comm.record.CollectiveLog` (a ``TorchDispatchMode`` that sees every collective that runs, the
-from-scratch layers' and ``parallelize_module``'s alike; imported here, where notebook 09 first uses it).
+:class:`course_lib.comm.record.CollectiveLog` (a ``TorchDispatchMode`` that sees the collectives that run through
+PyTorch's dispatcher, the from-scratch layers' and ``parallelize_module``'s alike; imported here, where notebook 09
+introduces it).
 
 Bytes each rank sends, for a collective over N ranks of a tensor of n bytes (the whole tensor: the all-gather's
 output, the reduce-scatter's input), done as a ring as in notebook 02
@@ -19,10 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.costmodel import ring_steps_and_bytes  # the notebooks count with it from here too
-from ..comm.record import Collective, CollectiveLog, kind_of
-
-__all__ = ["CollectiveLog", "Collective", "kind_of", "ring_steps_and_bytes", "collectives_worker"]
+from ..comm.costmodel import ring_steps_and_bytes  # noqa: F401  (notebook 09 counts with comm.ring_steps_and_bytes)
+from ..comm.record import CollectiveLog  # notebook 09 records with comm.CollectiveLog
 
 
 def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], cfg=None,
