@@ -1,6 +1,7 @@
 """The library's shape, as its package docstring states it: layers that each use only themselves and the layers
 above them, and no module over 300 lines. A new module must be placed in the table (``course_lib/__init__.py``)."""
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ ROOT = Path(course_lib.__file__).parent
 MAX_LINES = 300
 
 
+@functools.cache
 def layer_table() -> dict[str, int]:
     """``{top-level module or package: its row}`` from the package docstring's table, rows counted from the top."""
     table = course_lib.__doc__.split("The layers")[1].split("Notebook")[0]

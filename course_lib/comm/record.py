@@ -1,14 +1,13 @@
 """Collectives recorded as they run, with their size: :class:`CollectiveLog` (notebooks 08, 09 and 10).
 
 :class:`CollectiveLog` is a ``TorchDispatchMode``: while it is active it sees every operator that goes through
-PyTorch's dispatcher,
-including the collectives that ``torch.distributed`` issues (``c10d.allreduce_``...) and those DTensor issues
-(``_c10d_functional.all_reduce``...). So it counts from-scratch code and PyTorch's own (``parallelize_module``,
-FSDP2) alike. An operator on DTensors is first handed back to DTensor (a mode runs before a tensor subclass), so
-that the collectives DTensor runs *inside* it (the norm of a ``Partial`` gradient...) come back here and are
-counted too, as ``torch.distributed.tensor.debug.CommDebugMode`` does. What it cannot see: a collective issued
-from C++ (DDP's built-in all-reduce: register ``allreduce_hook`` to count it, as :mod:`course_lib.precision.wire`
-does), and it leaves out coalesced operations.
+PyTorch's dispatcher, including the collectives that ``torch.distributed`` issues (``c10d.allreduce_``...) and those
+DTensor issues (``_c10d_functional.all_reduce``...). So it counts from-scratch code and PyTorch's own
+(``parallelize_module``, FSDP2) alike. An operator on DTensors is first handed back to DTensor (a mode runs before a
+tensor subclass), so that the collectives DTensor runs *inside* it (the norm of a ``Partial`` gradient...) come back
+here and are counted too, as ``torch.distributed.tensor.debug.CommDebugMode`` does. What it cannot see: a collective
+issued from C++ (DDP's built-in all-reduce: register ``allreduce_hook`` to count it, as
+:mod:`course_lib.precision.wire` does), and it leaves out coalesced operations.
 
 :meth:`CollectiveLog.summary` prices each one as a ring (:func:`.costmodel.ring_steps_and_bytes`): the bytes of
 the ring algorithm, not what a backend sends (Gloo, for one, runs a reduce-scatter as an all-reduce).
