@@ -36,19 +36,19 @@ Notebook → the modules it shows and uses:
   ``viz.training``, ``exercises.ex03``
 * 04 DDP with NCCL and torchrun: ``recipes.train_ddp``, ``launch.commands``, ``data_parallel.measure``,
   ``comm.costmodel``
-* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex05``
+* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex06``
 * 06 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
-  ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex06``
+  ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex07``
 * 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
 * 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
   ``fsdp2``), ``models.tiny_lm``, ``memory``, ``comm.record`` (``CollectiveLog``), ``viz.sharding``,
-  ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex08``
+  ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
 * 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
   ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
   ``memory.activations`` (``split_block_worker``), ``comm.record``,
-  ``viz.tensor_parallel``, ``exercises.ex09``
+  ``viz.tensor_parallel``, ``exercises.ex11``
 * 10 memory and precision: ``memory`` (``activations``, ``saved``, ``recompute``, ``accumulation``, ``planner``,
   ``verify``), ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``viz.widgets``
-  (``LayoutPlanner``), ``exercises.ex10``
+  (``LayoutPlanner``), ``exercises.ex13``
 """
 __version__ = "0.2.0"

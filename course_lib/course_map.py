@@ -23,6 +23,8 @@ class Notebook:
     ``gpus_for_all``: GPUs needed to run every cell on GPUs (0: everything runs on the CPU).
     ``cpu``: what a machine without GPUs runs of it: ``"full"`` or ``"partial"`` (GPU cells fall
     back to the CPU and say so).  ``runtime_s``: measured top to bottom on a 2-core CPU machine.
+    ``core_min`` and ``all_min``: a learner's time in minutes, on the core path and with the end
+    exercises, measured by a read of someone new to distributed training (README says how).
     """
 
     file: str
@@ -31,6 +33,8 @@ class Notebook:
     gpus_for_all: int
     cpu: str
     runtime_s: int | None = None
+    core_min: int | None = None
+    all_min: int | None = None
 
     @property
     def number(self) -> str:
@@ -39,34 +43,96 @@ class Notebook:
 
 NOTEBOOKS: list[Notebook] = [
     Notebook("00_welcome.ipynb", "Welcome and your machine",
-             "the course map; what your machine has; the preflight", 0, "full", 10),
+             "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 25, 35),
     Notebook("01_ranks_and_collectives.ipynb", "Ranks and collectives on the CPU (Gloo)",
-             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25),
+             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 75, 110),
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
-             "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25),
-    Notebook("03_data_parallel.ipynb", "Data parallelism, from scratch to DDP",
-             "gradient averaging, DistributedSampler, buckets and overlap, no_sync, LR scaling", 0, "full", 45),
-    Notebook("04_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
-             "the seed program fixed; torchrun; resume; multi-node and SLURM; NCCL variables; bf16; bus bandwidth", 2,
-             "partial", 55),
-    Notebook("05_model_parallel.ipynb", "Manual model parallelism",
+             "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25, 90, 130),
+    Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
+             "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
+             "full", 30, 80, 110),
+    Notebook("04_ddp_in_practice.ipynb", "DDP in practice",
+             "buffers and unused parameters; BatchNorm over all ranks; no_sync; Join; logging; checkpoints; "
+             "scaling and the learning rate", 0, "full", 30, 70, 100),
+    Notebook("05_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
+             "a typical DDP script from the web, fixed; torchrun; resume; multi-node and SLURM; NCCL variables; "
+             "bf16; bus bandwidth", 2, "partial", 55, 90, 130),
+    Notebook("06_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
-             "partial", 10),
-    Notebook("06_pipeline_schedules.ipynb", "Pipeline schedules",
+             "partial", 10, 50, 75),
+    Notebook("07_pipeline_schedules.ipynb", "Pipeline schedules",
              "stages as processes; GPipe and 1F1B (you write it); the bubble, measured; torch.distributed.pipelining, "
-             "interleaved 1F1B", 0, "full", 40),
-    Notebook("07_faults_and_debugging.ipynb", "Faults and debugging",
-             "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50),
-    Notebook("08_sharded_data_parallel.ipynb", "Sharded data parallelism: ZeRO and FSDP2",
-             "ZeRO-1/2/3 from scratch; bytes held and sent per rank; FSDP2, DTensor; sharded checkpoints (DCP)", 0,
-             "full", 60),
-    Notebook("09_tensor_parallel.ipynb", "Tensor parallelism",
-             "f and g; column/row-parallel layers, attention split by heads; sequence parallelism; dropout under TP; "
-             "DTensor, DeviceMesh, parallelize_module; a 2×2 mesh with FSDP2", 0, "full", 50),
-    Notebook("10_memory_and_precision.ipynb", "Activation memory, recomputation and mixed precision",
-             "saved activations counted and derived; checkpointing; fp32/bf16/fp16, loss scaling, bf16 on the wire; "
-             "gradient accumulation; a layout calculator", 2, "partial", 30),
+             "interleaved 1F1B", 0, "full", 40, 90, 130),
+    Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
+             "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 120),
+    Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
+             "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; bytes held and "
+             "sent per rank", 0, "full", 35, 80, 110),
+    Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
+             "FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; sharded checkpoints (DCP) saved on 4 ranks, "
+             "loaded on 2; when sharding pays", 0, "full", 35, 70, 100),
+    Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
+             "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
+             "block; communication per block", 0, "full", 30, 80, 110),
+    Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
+             "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
+             "a 2×2 mesh with FSDP2", 0, "full", 30, 80, 110),
+    Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
+             "saved activations counted and derived; recomputation under a budget (you choose it)", 0, "full",
+             20, 60, 85),
+    Notebook("14_mixed_precision.ipynb", "Mixed precision",
+             "fp32/bf16/fp16; loss scaling; bf16 on the wire; gradient accumulation; a layout calculator", 2,
+             "partial", 20, 60, 85),
 ]
+
+
+def neighbours(nb: Notebook) -> tuple[Notebook | None, Notebook | None]:
+    """The notebooks before and after ``nb`` in the course (``None`` at either end)."""
+    i = NOTEBOOKS.index(nb)
+    return (NOTEBOOKS[i - 1] if i else None), (NOTEBOOKS[i + 1] if i + 1 < len(NOTEBOOKS) else None)
+
+
+def nav_line(nb: Notebook) -> str:
+    """The links every notebook's first cell carries: the one before, the map, the glossary, the one after."""
+    before, after = neighbours(nb)
+    parts = [f"[← {before.number} · {before.title}]({before.file})"] if before else []
+    parts += ["[course map](00_welcome.ipynb#The-course-map)", "[glossary](glossary.md)"]
+    parts += [f"[{after.number} · {after.title} →]({after.file})"] if after else []
+    return " · ".join(parts)
+
+
+def time_line(nb: Notebook) -> str:
+    """The first cell's line on the learner's time: the core path, and with the end exercises."""
+    return (f"**Learner time:** about {nb.core_min} min on the core path, {nb.all_min} min with the end exercises "
+            f"(a first-time learner's read; the course map says how it was measured).")
+
+
+def write_frames(folder: Path | None = None) -> list[str]:
+    """Put :func:`nav_line` under each notebook's title and :func:`time_line` at the end of its first cell,
+    replacing the ones there (``python -m course_lib map --frames``; a test keeps them current).
+    Returns the files it changed."""
+    import json
+    folder = folder or notebook_dir()
+    changed = []
+    for nb in NOTEBOOKS:
+        path = folder / nb.file
+        text = path.read_text(encoding="utf-8")
+        book = json.loads(text)
+        lines = "".join(book["cells"][0]["source"]).split("\n")
+        lines = [ln for ln in lines if not ln.startswith(("[← ", "[course map]", "**Learner time:**"))]
+        while len(lines) > 1 and lines[1] == "" and (len(lines) < 3 or lines[2] == ""):
+            del lines[1]
+        while lines and lines[-1] == "":
+            lines.pop()
+        lines[1:1] = ["", nav_line(nb)]
+        lines += ["", time_line(nb)]
+        source = "\n".join(lines)
+        book["cells"][0]["source"] = [ln + "\n" for ln in source.split("\n")[:-1]] + [source.split("\n")[-1]]
+        new = json.dumps(book, indent=1, ensure_ascii=False) + "\n"
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(nb.file)
+    return changed
 
 
 def searched() -> list[Path]:
@@ -102,9 +168,11 @@ def hardware_label(nb: Notebook) -> str:
 
 def markdown_table() -> str:
     """The course map as a Markdown table (README's copy is checked against this)."""
-    rows = ["| # | notebook | you learn | hardware | 2-core CPU runtime |", "|---|---|---|---|---|"]
+    rows = ["| # | notebook | you learn | hardware | learner time: core path / with exercises | 2-core CPU runtime |",
+            "|---|---|---|---|---|---|"]
     for nb in NOTEBOOKS:
         runtime = f"~{nb.runtime_s} s" if nb.runtime_s else "—"
         link = f"[{nb.title}](notebooks/{nb.file})"
-        rows.append(f"| {nb.number} | {link} | {nb.learn} | {hardware_label(nb)} | {runtime} |")
+        learner = f"{nb.core_min} / {nb.all_min} min"
+        rows.append(f"| {nb.number} | {link} | {nb.learn} | {hardware_label(nb)} | {learner} | {runtime} |")
     return "\n".join(rows)

@@ -125,11 +125,11 @@ def _nccl_smoke(world_size: int) -> Check:
 
 
 def _slurm(found) -> Check:
-    """Can the SLURM batch script be tried here? (Notebook 04 submits it where a controller answers.)
+    """Can the SLURM batch script be tried here? (Notebook 05 submits it where a controller answers.)
     ``found``: what :func:`course_lib.launch.slurm.probe` saw."""
     from .launch.slurm import LOCAL_CLUSTER
     if found is None:
-        return Check("SLURM", INFO, "absent: notebook 04 shows the batch script's commands instead of running them; "
+        return Check("SLURM", INFO, "absent: notebook 05 shows the batch script's commands instead of running them; "
                      f"to try them on this machine (Debian/Ubuntu, root): {LOCAL_CLUSTER}")
     if found.name is None:
         return Check("SLURM", WARN, f"{found.version}, but no controller answers ({found.error})",

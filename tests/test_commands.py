@@ -120,7 +120,7 @@ def test_print_json_is_one_write(monkeypatch):
 
 
 def test_plain_torchrun_workers_report_every_rank():
-    # The shape notebook 04 runs: no --tee, both workers write to the one stdout at once.
+    # The shape notebook 05 runs: no --tee, both workers write to the one stdout at once.
     out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "-m", "course_lib.recipes.whoami"], echo=False, timeout=120).output
     assert sorted(w["RANK"] for w in json_lines(out)) == [0, 1], out

@@ -1,95 +1,39 @@
-"""Notebook 05's exercise check: passes the reference, 'not attempted yet' for the stub, names each known mistake."""
-import copy
-
-import pytest
-import torch.nn as nn
-
+"""Notebook 05's capstone check: a typical DDP script from the web, fixed, run as two nodes of one (simulated) GPU each."""
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex05
 
-
-class Parts(nn.Module):
-    """A learner's split model: parts run in order (or reversed), moving the activation (or not)."""
-
-    def __init__(self, parts, devices, move=True, reverse=False):
-        super().__init__()
-        self.parts, self.devices, self.move, self.reverse = nn.ModuleList(parts), devices, move, reverse
-
-    def forward(self, x):
-        pairs = list(zip(self.parts, self.devices))
-        for part, device in reversed(pairs) if self.reverse else pairs:
-            x = part(x.to(device) if self.move else x)
-        return x
+FIXED = ex05.REFERENCE.read_text()
 
 
-def learner(cut=lambda a, b: (a, b), move=True, reverse=False, copy_layers=False):
-    """A split function as a learner might write it; the keywords put one known mistake in."""
-    def my_split(model, points, devices):
-        bounds = [0, *points, len(model)]
-        parts = []
-        for a, b, device in zip(bounds, bounds[1:], devices):
-            lo, hi = cut(a, b)
-            part = nn.Sequential(*list(model)[lo:hi])
-            parts.append((copy.deepcopy(part) if copy_layers else part).to(device))
-        return Parts(parts, devices, move, reverse)
-    return my_split
+def variant(tmp_path, name, *replacements):
+    text = FIXED
+    for old, new in replacements:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
 
 
-def test_the_reference_and_a_learners_right_answer_pass():
-    assert ex05.check_split(ex05.reference_split).status == PASSED
-    assert ex05.check_split(learner()).status == PASSED
+def test_the_reference_passes_and_the_stub_is_not_attempted(tmp_path):
+    assert ex05.check_web_script(ex05.REFERENCE).status == PASSED
+    stub = tmp_path / "stub.py"
+    stub.write_text("raise NotImplementedError\n")
+    assert ex05.check_web_script(stub).status == NOT_ATTEMPTED
+    assert ex05.check_web_script(tmp_path / "missing.py").status == WRONG
 
 
-def test_the_stub_is_not_attempted():
-    def my_split(model, points, devices):
-        raise NotImplementedError
-    fb = ex05.check_split(my_split)
-    assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)
-
-
-@pytest.mark.parametrize("mistake, phrase", [
-    (learner(cut=lambda a, b: (a, b - 1)), "layer(s) [3, 7] never ran: an off-by-one"),
-    (learner(cut=lambda a, b: (a + 1, b)), "layer(s) [0, 4] never ran: an off-by-one"),
-    (learner(cut=lambda a, b: (a, b + 1)), "layer(s) [4] ran twice: the parts overlap"),
-    (learner(move=False), "at split point 4 (between layer 3 and layer 4) the activation was not moved"),
-    (learner(reverse=True), "ran in the order [4, 5, 6, 7, 0, 1, 2, 3]: the parts run in the wrong order"),
-    (learner(copy_layers=True), "the model's own layers got no gradient: did you copy them"),
-    (lambda model, points, devices: model, "returned the model itself"),
-    (lambda model, points, devices: None, "returned NoneType, which cannot be called"),
-    (lambda model, points, devices: 1 / 0, "ZeroDivisionError"),
-])
-def test_known_mistakes_are_named(mistake, phrase):
-    fb = ex05.check_split(mistake)
-    assert fb.status == WRONG and phrase in fb.message, fb
-
-
-def test_a_move_only_at_the_start_is_not_enough():
-    """Moving the input to the first part's device, then never again: the second split point is reported."""
-    def my_split(model, points, devices):
-        parts = learner()(model, points, devices).parts
-
-        def forward(x):
-            x = x.to(devices[0])
-            for part in parts:
-                x = part(x)
-            return x
-        return forward
-    fb = ex05.check_split(my_split)
-    assert fb.status == WRONG and "at split point 4" in fb.message and "not moved" in fb.message
-
-
-def test_a_device_error_from_real_gpus_is_explained():
-    def my_split(model, points, devices):
-        def forward(x):
-            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
-        return forward
-    fb = ex05.check_split(my_split)
-    assert fb.status == WRONG and "Hint: the activation was not moved" in fb.message
-
-
-def test_a_wrong_computation_is_caught_by_the_numbers():
-    def my_split(model, points, devices):
-        split = ex05.reference_split(model, points, devices)
-        return lambda x: split(x) * 2
-    fb = ex05.check_split(my_split)
-    assert fb.status == WRONG and "the output differs from the unsplit model's" in fb.message
-    assert "pass your function itself" in ex05.check_split(None).message
+def test_each_seed_bug_is_named(tmp_path):
+    init = 'dist.init_process_group(backend="gloo", init_method="env://")'
+    set_device = "ex05.set_device(device)                                  # before init_process_group"
+    cases = {
+        "global rank as device": (('os.environ["LOCAL_RANK"]', 'os.environ["RANK"]'), "LOCAL rank"),
+        "set_device after init": ((f"{set_device}\n{init}", f"{init}\nex04.set_device(device)"),
+                                  "BEFORE init_process_group"),
+        "never destroyed": (("finally:\n    dist.destroy_process_group()", "finally:\n    pass"), "still initialised"),
+        "lr not scaled": (("lr = ex05.BASE_LR * dist.get_world_size()", "lr = ex05.BASE_LR"),
+                          "scale the learning rate"),
+        "something else changed": (("for epoch in range(3):", "for epoch in range(2):"), "weights differ"),
+    }
+    for name, (replacement, phrase) in cases.items():
+        fb = ex05.check_web_script(variant(tmp_path, name.replace(" ", "_"), replacement))
+        assert fb.status == WRONG and phrase in fb.message, (name, fb)

@@ -1,80 +1,95 @@
 """Notebook 06's exercise check: passes the reference, 'not attempted yet' for the stub, names each known mistake."""
+import copy
+
 import pytest
+import torch.nn as nn
 
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex06
-from course_lib.pipeline_parallel import schedule, simulate_plan
 
 
-def one_f_one_b(warm=lambda p, s: p - 1 - s, backward_first=False, stop_after_forwards=False):
-    """1F1B as a learner might write it; the keywords put one known mistake in."""
-    def my_1f1b(stages, micro_batches):
-        plan = []
-        for s in range(stages):
-            w = min(warm(stages, s), micro_batches)
-            ops, f, b = [("F", i) for i in range(w)], w, 0
-            while (f < micro_batches) if stop_after_forwards else (b < micro_batches):
-                step = [("F", f)] if f < micro_batches else []
-                step.append(("B", b))
-                ops += step[::-1] if backward_first else step
-                f, b = f + len(step) - 1, b + 1
-            plan.append(ops)
-        return plan
-    return my_1f1b
+class Parts(nn.Module):
+    """A learner's split model: parts run in order (or reversed), moving the activation (or not)."""
+
+    def __init__(self, parts, devices, move=True, reverse=False):
+        super().__init__()
+        self.parts, self.devices, self.move, self.reverse = nn.ModuleList(parts), devices, move, reverse
+
+    def forward(self, x):
+        pairs = list(zip(self.parts, self.devices))
+        for part, device in reversed(pairs) if self.reverse else pairs:
+            x = part(x.to(device) if self.move else x)
+        return x
+
+
+def learner(cut=lambda a, b: (a, b), move=True, reverse=False, copy_layers=False):
+    """A split function as a learner might write it; the keywords put one known mistake in."""
+    def my_split(model, points, devices):
+        bounds = [0, *points, len(model)]
+        parts = []
+        for a, b, device in zip(bounds, bounds[1:], devices):
+            lo, hi = cut(a, b)
+            part = nn.Sequential(*list(model)[lo:hi])
+            parts.append((copy.deepcopy(part) if copy_layers else part).to(device))
+        return Parts(parts, devices, move, reverse)
+    return my_split
 
 
 def test_the_reference_and_a_learners_right_answer_pass():
-    assert ex06.check_1f1b(ex06.reference_1f1b).status == PASSED
-    assert ex06.check_1f1b(one_f_one_b()).status == PASSED
+    assert ex06.check_split(ex06.reference_split).status == PASSED
+    assert ex06.check_split(learner()).status == PASSED
 
 
 def test_the_stub_is_not_attempted():
-    def my_1f1b(stages, micro_batches):
+    def my_split(model, points, devices):
         raise NotImplementedError
-    fb = ex06.check_1f1b(my_1f1b)
+    fb = ex06.check_split(my_split)
     assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)
 
 
-def test_gpipe_given_for_1f1b_is_named():
-    fb = ex06.check_1f1b(lambda p, m: schedule("gpipe", p, m))
-    assert fb.status == WRONG and "that is GPipe's order" in fb.message
+@pytest.mark.parametrize("mistake, phrase", [
+    (learner(cut=lambda a, b: (a, b - 1)), "layer(s) [3, 7] never ran: an off-by-one"),
+    (learner(cut=lambda a, b: (a + 1, b)), "layer(s) [0, 4] never ran: an off-by-one"),
+    (learner(cut=lambda a, b: (a, b + 1)), "layer(s) [4] ran twice: the parts overlap"),
+    (learner(move=False), "at split point 4 (between layer 3 and layer 4) the activation was not moved"),
+    (learner(reverse=True), "ran in the order [4, 5, 6, 7, 0, 1, 2, 3]: the parts run in the wrong order"),
+    (learner(copy_layers=True), "the model's own layers got no gradient: did you copy them"),
+    (lambda model, points, devices: model, "returned the model itself"),
+    (lambda model, points, devices: None, "returned NoneType, which cannot be called"),
+    (lambda model, points, devices: 1 / 0, "ZeroDivisionError"),
+])
+def test_known_mistakes_are_named(mistake, phrase):
+    fb = ex06.check_split(mistake)
+    assert fb.status == WRONG and phrase in fb.message, fb
 
 
-@pytest.mark.parametrize("warm, runs", [(lambda p, s: p - s, 3), (lambda p, s: 0, 1)])
-def test_a_warm_up_of_the_wrong_length_is_named_with_what_the_simulator_shows(warm, runs):
-    fb = ex06.check_1f1b(one_f_one_b(warm=warm))
-    assert fb.status == WRONG, fb
-    assert f"Stage 0 runs {runs} forward(s) before its first backward; 1F1B runs min(p-s, m) = 2" in fb.message
-    assert "Simulated (forward 1, backward 2): bubble" in fb.message
+def test_a_move_only_at_the_start_is_not_enough():
+    """Moving the input to the first part's device, then never again: the second split point is reported."""
+    def my_split(model, points, devices):
+        parts = learner()(model, points, devices).parts
+
+        def forward(x):
+            x = x.to(devices[0])
+            for part in parts:
+                x = part(x)
+            return x
+        return forward
+    fb = ex06.check_split(my_split)
+    assert fb.status == WRONG and "at split point 4" in fb.message and "not moved" in fb.message
 
 
-def test_the_simulators_numbers_in_the_message_are_right():
-    """No warm-up serialises the stages: 2 stages idle half the time (1F1B: 1/5), each holds one micro-batch."""
-    fb = ex06.check_1f1b(one_f_one_b(warm=lambda p, s: 0))
-    assert "bubble 0.500 (1F1B: 0.200); activations held per stage [1, 1] (1F1B: [2, 1])" in fb.message
+def test_a_device_error_from_real_gpus_is_explained():
+    def my_split(model, points, devices):
+        def forward(x):
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        return forward
+    fb = ex06.check_split(my_split)
+    assert fb.status == WRONG and "Hint: the activation was not moved" in fb.message
 
 
-def test_a_deadlocking_order_says_which_stage_waits_for_what():
-    fb = ex06.check_1f1b(one_f_one_b(warm=lambda p, s: s))          # warm-up counted from the wrong end
-    assert fb.status == WRONG
-    assert ("the schedule deadlocks: stage 0 waits for stage 1's B0 before its B0; stage 1 waits for stage 0's F1 "
-            "before its F1") in fb.message
-
-
-def test_a_backward_before_its_forward_is_named():
-    fb = ex06.check_1f1b(one_f_one_b(backward_first=True))
-    assert fb.status == WRONG and "stage 1 runs B0 before F0" in fb.message
-
-
-def test_missing_ops_and_bad_formats_are_named():
-    fb = ex06.check_1f1b(one_f_one_b(stop_after_forwards=True))
-    assert fb.status == WRONG and "stage 0 never runs B3" in fb.message
-    assert "1 lists of ops for 2 stages" in ex06.check_1f1b(lambda p, m: [[("F", 0)]]).message
-    assert "not 'F0'" in ex06.check_1f1b(lambda p, m: [["F0", "B0"]] * p).message
-    assert "ops are 'F' (forward) and 'B'" in ex06.check_1f1b(lambda p, m: [[("X", 0)]] * p).message
-    assert "raised ZeroDivisionError" in ex06.check_1f1b(lambda p, m: 1 / 0).message
-    assert "pass your function itself" in ex06.check_1f1b(None).message
-
-
-def test_the_simulator_refuses_what_is_not_an_op():
-    with pytest.raises(ValueError, match="is not an op"):
-        simulate_plan([[("F", 0), "B0"]])
+def test_a_wrong_computation_is_caught_by_the_numbers():
+    def my_split(model, points, devices):
+        split = ex06.reference_split(model, points, devices)
+        return lambda x: split(x) * 2
+    fb = ex06.check_split(my_split)
+    assert fb.status == WRONG and "the output differs from the unsplit model's" in fb.message
+    assert "pass your function itself" in ex06.check_split(None).message

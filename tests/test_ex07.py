@@ -1,45 +1,80 @@
-"""Notebook 07's exercise check: a hang made an error, within seconds, and the right mean when all ranks arrive."""
-from datetime import timedelta
-
-import torch.distributed as dist
+"""Notebook 07's exercise check: passes the reference, 'not attempted yet' for the stub, names each known mistake."""
+import pytest
 
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex07
+from course_lib.pipeline_parallel import schedule, simulate_plan
 
 
-def test_the_reference_passes_and_names_the_missing_rank(no_leftovers):
-    fb = ex07.check_mean_loss(ex07.mean_loss)
-    assert fb.status == PASSED and "naming the missing rank" in fb.message, fb
+def one_f_one_b(warm=lambda p, s: p - 1 - s, backward_first=False, stop_after_forwards=False):
+    """1F1B as a learner might write it; the keywords put one known mistake in."""
+    def my_1f1b(stages, micro_batches):
+        plan = []
+        for s in range(stages):
+            w = min(warm(stages, s), micro_batches)
+            ops, f, b = [("F", i) for i in range(w)], w, 0
+            while (f < micro_batches) if stop_after_forwards else (b < micro_batches):
+                step = [("F", f)] if f < micro_batches else []
+                step.append(("B", b))
+                ops += step[::-1] if backward_first else step
+                f, b = f + len(step) - 1, b + 1
+            plan.append(ops)
+        return plan
+    return my_1f1b
 
 
-def test_a_process_group_timeout_passes_too(no_leftovers):
-    def with_a_group_timeout(loss):
-        group = dist.new_group(timeout=timedelta(seconds=3))
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total.item() / dist.get_world_size()
-    assert ex07.check_mean_loss(with_a_group_timeout).status == PASSED
+def test_the_reference_and_a_learners_right_answer_pass():
+    assert ex07.check_1f1b(ex07.reference_1f1b).status == PASSED
+    assert ex07.check_1f1b(one_f_one_b()).status == PASSED
 
 
-def test_the_stub_and_the_wrong_answers(no_leftovers):
-    def stub(loss):
+def test_the_stub_is_not_attempted():
+    def my_1f1b(stages, micro_batches):
         raise NotImplementedError
-    assert ex07.check_mean_loss(stub).status == NOT_ATTEMPTED
+    fb = ex07.check_1f1b(my_1f1b)
+    assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)
 
-    def plain_all_reduce(loss):                       # the hang itself
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total.item() / dist.get_world_size()
 
-    def forgot_to_divide(loss):
-        dist.monitored_barrier(timeout=timedelta(seconds=5))
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total.item()
+def test_gpipe_given_for_1f1b_is_named():
+    fb = ex07.check_1f1b(lambda p, m: schedule("gpipe", p, m))
+    assert fb.status == WRONG and "that is GPipe's order" in fb.message
 
-    def no_collective(loss):
-        return float(loss)
 
-    for fn, phrase in ((plain_all_reduce, "nothing turned the wait into an error"),
-                       (forgot_to_divide, "the mean loss 2"), (no_collective, "the mean loss 2")):
-        fb = ex07.check_mean_loss(fn)
-        assert fb.status == WRONG and phrase in fb.message, fb
+@pytest.mark.parametrize("warm, runs", [(lambda p, s: p - s, 3), (lambda p, s: 0, 1)])
+def test_a_warm_up_of_the_wrong_length_is_named_with_what_the_simulator_shows(warm, runs):
+    fb = ex07.check_1f1b(one_f_one_b(warm=warm))
+    assert fb.status == WRONG, fb
+    assert f"Stage 0 runs {runs} forward(s) before its first backward; 1F1B runs min(p-s, m) = 2" in fb.message
+    assert "Simulated (forward 1, backward 2): bubble" in fb.message
+
+
+def test_the_simulators_numbers_in_the_message_are_right():
+    """No warm-up serialises the stages: 2 stages idle half the time (1F1B: 1/5), each holds one micro-batch."""
+    fb = ex07.check_1f1b(one_f_one_b(warm=lambda p, s: 0))
+    assert "bubble 0.500 (1F1B: 0.200); activations held per stage [1, 1] (1F1B: [2, 1])" in fb.message
+
+
+def test_a_deadlocking_order_says_which_stage_waits_for_what():
+    fb = ex07.check_1f1b(one_f_one_b(warm=lambda p, s: s))          # warm-up counted from the wrong end
+    assert fb.status == WRONG
+    assert ("the schedule deadlocks: stage 0 waits for stage 1's B0 before its B0; stage 1 waits for stage 0's F1 "
+            "before its F1") in fb.message
+
+
+def test_a_backward_before_its_forward_is_named():
+    fb = ex07.check_1f1b(one_f_one_b(backward_first=True))
+    assert fb.status == WRONG and "stage 1 runs B0 before F0" in fb.message
+
+
+def test_missing_ops_and_bad_formats_are_named():
+    fb = ex07.check_1f1b(one_f_one_b(stop_after_forwards=True))
+    assert fb.status == WRONG and "stage 0 never runs B3" in fb.message
+    assert "1 lists of ops for 2 stages" in ex07.check_1f1b(lambda p, m: [[("F", 0)]]).message
+    assert "not 'F0'" in ex07.check_1f1b(lambda p, m: [["F0", "B0"]] * p).message
+    assert "ops are 'F' (forward) and 'B'" in ex07.check_1f1b(lambda p, m: [[("X", 0)]] * p).message
+    assert "raised ZeroDivisionError" in ex07.check_1f1b(lambda p, m: 1 / 0).message
+    assert "pass your function itself" in ex07.check_1f1b(None).message
+
+
+def test_the_simulator_refuses_what_is_not_an_op():
+    with pytest.raises(ValueError, match="is not an op"):
+        simulate_plan([[("F", 0), "B0"]])

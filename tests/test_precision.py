@@ -39,7 +39,7 @@ def test_bytes_per_parameter_of_each_mode_reconcile_with_the_arithmetic():
     assert r["autocast"]["per_parameter"]["autocast weight copies (forward to backward)"] == 2 * linear / n
     master = r["master"]["per_parameter"]
     arithmetic = training_memory(n, "bf16")
-    assert master["total"] * n == arithmetic["total"]                          # notebook 05's 16 bytes
+    assert master["total"] * n == arithmetic["total"]                          # notebook 06's 16 bytes
     assert master["weights"] * n == arithmetic["weights"] and master["fp32 master weights"] == 4
     assert r["bf16"]["per_parameter"]["total"] == 8
     assert r["autocast"]["activation_bytes"] < r["fp32"]["activation_bytes"]

@@ -382,7 +382,7 @@ def test_benchmark_worker_runs(no_leftovers):
 
 @pytest.mark.gpu
 def test_on_a_gpu_every_stage_equals_one_process_run_on_the_same_gpu(no_leftovers):
-    """Notebook 08's comparison on GPUs: the reference trains on the rank's own GPU (same float32 arithmetic).
+    """Notebook 09's comparison on GPUs: the reference trains on the rank's own GPU (same float32 arithmetic).
     One rank, so NCCL on a one-GPU machine: its real reduce-scatter path, and FSDP2 on CUDA."""
     from course_lib import hardware
     cases = [(m, o, s) for m in ("mlp", "tiny_lm") for o in ("adamw", "sgd")

@@ -1,152 +1,165 @@
-"""Notebook 05's exercise: split a model at given points, checked against the unsplit model.
+"""Notebook 05's capstone: a typical DDP script from the web, fixed by the learner, run as two "nodes" of one GPU each.
 
-The learner writes ``fn(model, points, devices)``: cut the ``nn.Sequential`` ``model`` before each index in
-``points``, put part k on ``devices[k]``, and return something callable that runs the parts in order and
-moves the activation to each part's device before it. The check compares the outputs and the gradients with
-those of an unsplit copy, on several splits of an 8-layer model.
+The script (see notebook 05) has bugs that only show on more than one node: it uses the *global* rank as
+the device index, picks the device after ``init_process_group``, never destroys the process group, and keeps the
+learning rate of one process while the global batch grows with the ranks. The check runs the learner's file the way a
+two-node job runs it: two ``torchrun`` agents over loopback (:func:`course_lib.launch.commands.torchrun_nodes`), one
+worker each, so global rank 1 is local rank 0 of node 1. Each "node" has one GPU, simulated on the CPU by
+:func:`node_gpus`, so the global-rank bug fails here as it does on a cluster: node 1 has no second GPU.
 
-It also watches the run, to name a mistake rather than only report a difference: a forward pre-hook on each
-of the model's layers notes which layer runs when, and a ``TorchFunctionMode`` (PyTorch's hook on every
-tensor function) notes each ``Tensor.to``/``.cpu``/``.cuda``. The check runs on the CPU, so every "device" is
-``"cpu"``: a forgotten move raises nothing here (on two GPUs it would raise "Expected all tensors to be on
-the same device"), but the check sees that no move happened between the two parts.
+The program gets its pieces from this module (so that the check can see what it did): :func:`node_gpus` (the GPUs of
+this node), :func:`set_device` (``torch.cuda.set_device``), :class:`YourModel`, :func:`YourDataset` and
+:func:`report`. Run as ``python -m course_lib.exercises.ex05 FILE``, the module runs the learner's file and then says
+whether the process group was left initialised.
 """
 from __future__ import annotations
 
-import copy
+import os
+import runpy
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
-from torch.overrides import TorchFunctionMode
+import torch.distributed as dist
 
-from ..model_parallel import split_model
-from ..models import mlp
+from .. import checkpoint
+from ..data import make_dataset
+from ..launch.commands import print_json
+from ..models import make_mlp
 from . import NOT_ATTEMPTED, Feedback, passed, wrong
 
-CASES = ([4], [1], [2, 6], [3, 5, 7])     # split points of the 8-layer model
-MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda)
-NOT_MOVED = ("the activation was not moved to the next part's device: call x.to(device) before each part. On the "
-             "CPU every device is 'cpu' and nothing fails, but on two GPUs PyTorch raises 'Expected all tensors to "
-             "be on the same device'")
+BASE_LR = 0.01          # the web script's learning rate, tuned for one process with batch 32
+PER_RANK_BATCH = 32     # the web script's batch size per rank
+GPUS_PER_NODE_ENV = "COURSE_GPUS_PER_NODE"
+_state = {"set_device_before_init": None}
 
 
-def reference_split(model: nn.Sequential, points: list[int], devices: list[str]) -> nn.Module:
-    """The reference solution: the course library's :func:`~course_lib.model_parallel.split_model`."""
-    return split_model(model, points, devices, verbose=False)
+class NodeGPUs:
+    """The GPUs of this node: ``cuda:0`` .. ``cuda:{n-1}``, simulated on the CPU (each is ``torch.device("cpu")``).
 
+    Indexing past the node's GPUs fails as ``torch.cuda.set_device(8)`` fails on an 8-GPU node."""
 
-def make_model() -> nn.Sequential:
-    """The model the check splits: 4 x (Linear(16, 16) + Tanh), 8 layers, all 16 wide (so that parts run in the
-    wrong order still fit together, and only the numbers show it)."""
-    return mlp([16] * 5, nn.Tanh, last_activation=True, seed=0)
+    def __init__(self, count: int):
+        self.count = count
 
+    def __len__(self) -> int:
+        return self.count
 
-def _target(func, args, kwargs) -> torch.device | None:
-    """The device a ``.to``/``.cpu``/``.cuda`` call moves to (``None`` for a change of dtype only)."""
-    if func is torch.Tensor.cpu:
+    def __getitem__(self, index: int) -> torch.device:
+        if not 0 <= index < self.count:
+            raise IndexError(f"cuda:{index} does not exist on this node: it has {self.count} GPU(s), "
+                             f"cuda:0..cuda:{self.count - 1} (global rank {os.environ.get('RANK')}, "
+                             f"local rank {os.environ.get('LOCAL_RANK')})")
         return torch.device("cpu")
-    if func is torch.Tensor.cuda:
-        return torch.device("cuda", args[1] if len(args) > 1 and isinstance(args[1], int) else 0)
-    for a in (*args[1:], (kwargs or {}).get("device")):
-        if isinstance(a, (str, torch.device)):
-            return torch.device(a)
-        if isinstance(a, torch.Tensor):
-            return a.device
-    return None
 
 
-class _Watch(TorchFunctionMode):
-    """Notes every move of a tensor to a device in ``events``."""
-
-    def __init__(self, events: list):
-        super().__init__()
-        self.events = events
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in MOVES:
-            target = _target(func, args, kwargs)
-            if target is not None:
-                self.events.append(("move", target))
-        return func(*args, **(kwargs or {}))
+def node_gpus() -> NodeGPUs:
+    """This node's GPUs: as many as ``$COURSE_GPUS_PER_NODE`` (the check sets 1), else as many as its ranks."""
+    return NodeGPUs(int(os.environ.get(GPUS_PER_NODE_ENV, os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def _read_run(events: list, n: int, points: list[int], devices: list[str]) -> str | None:
-    """What the layer and move events of one forward say is wrong, or ``None``."""
-    ran = [k for kind, k in events if kind == "layer"]
-    missing = [k for k in range(n) if k not in ran]
-    if missing:
-        return (f"layer(s) {missing} never ran: an off-by-one at a split point? With points {points}, part k is "
-                "model[points[k-1]:points[k]]: a slice stops before its end, and the next part starts there")
-    twice = sorted({k for k in ran if ran.count(k) > 1})
-    if twice:
-        return (f"layer(s) {twice} ran twice: the parts overlap (an off-by-one at a split point?). With points "
-                f"{points}, part k is model[points[k-1]:points[k]]; the next part starts at points[k]")
-    if ran != sorted(ran):
-        return (f"the layers ran in the order {ran}: the parts run in the wrong order. Run part 0 first (layers "
-                f"0 to {points[0] - 1}), then part 1, ...")
-    for k, p in enumerate(points, start=1):
-        at = [e for e in events[events.index(("layer", p - 1)) + 1:events.index(("layer", p))] if e[0] == "move"]
-        if not any(target == torch.device(devices[k]) for _, target in at):
-            return f"at split point {p} (between layer {p - 1} and layer {p}) {NOT_MOVED}"
-    return None
+def set_device(device: torch.device) -> None:
+    """``torch.cuda.set_device`` for the simulated GPUs: records whether it came before ``init_process_group``."""
+    _state["set_device_before_init"] = not dist.is_initialized()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
-def _attempt(fn, points: list[int]) -> tuple[Feedback | None, dict]:
-    """Split a fresh model with ``fn``, run it once under watch; ``(feedback, what happened)``."""
-    model, devices = make_model(), ["cpu"] * (len(points) + 1)
-    reference = copy.deepcopy(model)
-    events: list = []
-    for k, layer in enumerate(model):
-        layer.register_forward_pre_hook(lambda module, inputs, k=k: events.append(("layer", k)))
-    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
-    y = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
-    where = f"split at {points} onto {devices}"
+def YourModel() -> torch.nn.Module:  # noqa: N802 (the web script's name)
+    """The web script's ``YourModel()``: the course's small classifier, the same weights on every rank."""
+    return make_mlp(seed=0)
+
+
+def YourDataset(n: int = 512):  # noqa: N802 (the web script's name)
+    """The web script's ``YourDataset()``: generated points in 4 classes."""
+    return make_dataset(n, seed=0)
+
+
+def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Print, as JSON, what the check needs to know about this rank's run."""
+    module = getattr(model, "module", model)
+    print_json({"event": "report", "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "lr": optimizer.param_groups[0]["lr"], "weights": checkpoint.fingerprint(module.state_dict()),
+                "set_device_before_init": _state["set_device_before_init"]})
+
+
+def _run_file(path: str) -> None:
+    """``python -m course_lib.exercises.ex05 FILE``: run the learner's program, then report what it left behind.
+
+    It ends with ``os._exit``: once DDP has used a Gloo group, Gloo's threads can still be freeing the last
+    all-reduce while Python shuts down, and abort the process (see the recipe's ``main``); the check is about the
+    program, not that race."""
+    import gc
+    program = runpy.run_path(path, run_name="__main__")
+    left = dist.is_available() and dist.is_initialized()
+    print_json({"event": "exit", "rank": int(os.environ.get("RANK", -1)), "group_left_initialised": left})
+    program.clear()
+    gc.collect()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+REFERENCE = Path(__file__).with_name("web_ddp_fixed.py")
+
+
+def _run_two_nodes(path) -> tuple[list[dict] | None, str]:
+    """Run ``path`` as 2 nodes x 1 worker; the JSON lines it printed (``None`` when it failed) and its output."""
+    from ..launch.commands import CommandError, json_lines, torchrun_nodes
     try:
-        split = fn(model, points, devices)
-        if split is model:
-            return wrong(f"{where}: your function returned the model itself: cut it into parts"), {}
-        if not callable(split):
-            return wrong(f"{where}: your function returned {type(split).__name__}, which cannot be called: return "
-                         "the split model (e.g. an nn.Module whose forward runs the parts)"), {}
-        with _Watch(events):
-            out = split(x)
-    except NotImplementedError:
-        return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell "
-                                       "again"), {}
-    except Exception as e:  # noqa: BLE001 (the learner's code: any error is feedback)
-        hint = f"\nHint: {NOT_MOVED}" if "same device" in str(e) else ""
-        return wrong(f"{where}: {type(e).__name__}: {e}{hint}"), {}
-    if not isinstance(out, torch.Tensor):
-        return wrong(f"{where}: calling the split model returned {type(out).__name__}, not a tensor"), {}
-    return None, {"model": model, "reference": reference, "events": events, "out": out, "x": x, "y": y,
-                  "devices": devices, "where": where}
+        nodes = torchrun_nodes("course_lib.exercises.ex05", str(path), nnodes=2, nproc_per_node=1, module=True,
+                               timeout=180, echo=False, env={GPUS_PER_NODE_ENV: "1"})
+    except CommandError as e:
+        return None, e.output
+    return [line for node in nodes for line in json_lines(node.output)], "".join(n.output for n in nodes)
 
 
-def check_split(fn) -> Feedback:
-    """``fn(model, points, devices)`` must return a callable equal to the unsplit model, outputs and gradients,
-    for every split in :data:`CASES`; the first mistake is named."""
-    if not callable(fn):
-        return wrong(f"pass your function itself (without calling it), got {fn!r}")
-    for points in CASES:
-        feedback, run = _attempt(fn, points)
-        if feedback is not None:
-            return feedback
-        where, model, reference = run["where"], run["model"], run["reference"]
-        message = _read_run(run["events"], len(model), points, run["devices"])
-        if message:
-            return wrong(f"{where}: {message}")
-        expected = reference(run["x"])
-        if run["out"].shape != expected.shape or not torch.allclose(run["out"], expected, atol=1e-6):
-            return wrong(f"{where}: the output differs from the unsplit model's")
-        nn.functional.mse_loss(run["out"], run["y"]).backward()
-        nn.functional.mse_loss(expected, run["y"]).backward()
-        grads = [p.grad for p in model.parameters()]
-        if any(g is None for g in grads):
-            return wrong(f"{where}: the output is right, but the model's own layers got no gradient: did you copy "
-                         "them (copy.deepcopy)? Build the parts from the model's own layers: "
-                         "nn.Sequential(*list(model)[a:b]).to(device) keeps the same parameter objects and moves "
-                         "their data, so that training the split model trains the model")
-        if not all(torch.allclose(g, r.grad, atol=1e-6) for g, r in zip(grads, reference.parameters())):
-            return wrong(f"{where}: the output is right but the gradients differ from the unsplit model's")
-    return passed(f"outputs and gradients equal the unsplit model's for the splits {list(CASES)}, and the "
-                  "activation moves to the next part's device at every split point")
+_reference_weights: dict[str, str] = {}
+
+
+def check_web_script(path) -> Feedback:
+    """Run the learner's fixed web script as two nodes of one GPU each, and name what is still wrong."""
+    path = Path(path)
+    if not path.is_file():
+        return wrong(f"{path} does not exist: run the cell that writes the program first")
+    if "raise NotImplementedError" in path.read_text():
+        return Feedback(NOT_ATTEMPTED, "remove the `raise NotImplementedError` line and fix the program, then run "
+                                       "the check again")
+    lines, output = _run_two_nodes(path)
+    if lines is None:
+        if "does not exist on this node" in output:
+            return wrong("node 1 has one GPU, cuda:0, and its worker asked for the device of its GLOBAL rank, 1. A "
+                         "rank's device is its LOCAL rank: int(os.environ['LOCAL_RANK']), which torchrun sets")
+        tail = "\n".join(output.strip().splitlines()[-6:])
+        return wrong(f"the two-node job failed. Its last lines:\n{tail}")
+    reports = [line for line in lines if line.get("event") == "report"]
+    exits = [line for line in lines if line.get("event") == "exit"]
+    if len(reports) != 2 or len(exits) != 2:
+        return wrong("each of the 2 ranks must reach `ex05.report(model, optimizer)` at the end of training "
+                     f"(got {len(reports)} report(s))")
+    if any(r["set_device_before_init"] is not True for r in reports):
+        return wrong("pick the device (ex05.set_device) BEFORE init_process_group: with NCCL, anything that touches "
+                     "the GPU in between lands on cuda:0 in every rank")
+    if any(e["group_left_initialised"] for e in exits):
+        return wrong("the process group is still initialised when the program ends: call "
+                     "dist.destroy_process_group() at the end")
+    world = reports[0]["world_size"]
+    if any(abs(r["lr"] - BASE_LR * world) > 1e-12 for r in reports):
+        return wrong(f"the global batch is {world} x {PER_RANK_BATCH} = {world * PER_RANK_BATCH}, {world} times the "
+                     f"batch lr={BASE_LR} was tuned for, and the program still uses lr={reports[0]['lr']:g}: scale the "
+                     f"learning rate with the world size (notebook 03's linear rule: {BASE_LR * world:g})")
+    if path.resolve() == REFERENCE.resolve():
+        _reference_weights["reference"] = reports[0]["weights"]
+    if "reference" not in _reference_weights:
+        ref, ref_output = _run_two_nodes(REFERENCE)
+        if ref is None:
+            raise RuntimeError(f"the reference solution failed:\n{ref_output[-2000:]}")
+        _reference_weights["reference"] = next(r["weights"] for r in ref if r.get("event") == "report")
+    if any(r["weights"] != _reference_weights["reference"] for r in reports):
+        return wrong("the job ran, but its final weights differ from the fixed web script's: did something else "
+                     "change (the model, the data, the sampler, the number of epochs)?")
+    return passed("two nodes of one GPU each: local-rank devices chosen before init, the learning rate scaled for the "
+                  "global batch, the process group destroyed, and the same weights as the reference")
+
+
+if __name__ == "__main__":
+    _run_file(sys.argv[1])

@@ -1,122 +1,152 @@
-"""Notebook 06's exercise: write the 1F1B schedule, checked against the real one and the simulator.
+"""Notebook 06's exercise: split a model at given points, checked against the unsplit model.
 
-The learner writes ``fn(stages, micro_batches)`` that returns, for each stage, the ops it runs in order,
-in the format of :func:`course_lib.pipeline_parallel.schedule`: ``[[("F", 0), ("F", 1), ("B", 0), ...], ...]``.
-The check asks for several pipelines (more micro-batches than stages, fewer, one stage, one micro-batch)
-and compares each with ``schedule("1f1b", p, m)``. A wrong answer is run on the simulator
-(:func:`~course_lib.pipeline_parallel.simulate_plan`) to say what it would do: deadlock (and which stage
-waits for what), idle longer, or hold more activations than 1F1B.
+The learner writes ``fn(model, points, devices)``: cut the ``nn.Sequential`` ``model`` before each index in
+``points``, put part k on ``devices[k]``, and return something callable that runs the parts in order and
+moves the activation to each part's device before it. The check compares the outputs and the gradients with
+those of an unsplit copy, on several splits of an 8-layer model.
+
+It also watches the run, to name a mistake rather than only report a difference: a forward pre-hook on each
+of the model's layers notes which layer runs when, and a ``TorchFunctionMode`` (PyTorch's hook on every
+tensor function) notes each ``Tensor.to``/``.cpu``/``.cuda``. The check runs on the CPU, so every "device" is
+``"cpu"``: a forgotten move raises nothing here (on two GPUs it would raise "Expected all tensors to be on
+the same device"), but the check sees that no move happened between the two parts.
 """
 from __future__ import annotations
 
-from ..pipeline_parallel import bubble_formula, schedule, simulate_plan
+import copy
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from ..model_parallel import split_model
+from ..models import mlp
 from . import NOT_ATTEMPTED, Feedback, passed, wrong
 
-CASES = ((2, 4), (4, 8), (3, 5), (4, 2), (2, 1), (1, 3))   # (stages, micro-batches)
+CASES = ([4], [1], [2, 6], [3, 5, 7])     # split points of the 8-layer model
+MOVES = (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda)
+NOT_MOVED = ("the activation was not moved to the next part's device: call x.to(device) before each part. On the "
+             "CPU every device is 'cpu' and nothing fails, but on two GPUs PyTorch raises 'Expected all tensors to "
+             "be on the same device'")
 
 
-def reference_1f1b(stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
-    """The reference solution: the course library's 1F1B."""
-    return schedule("1f1b", stages, micro_batches)
+def reference_split(model: nn.Sequential, points: list[int], devices: list[str]) -> nn.Module:
+    """The reference solution: the course library's :func:`~course_lib.model_parallel.split_model`."""
+    return split_model(model, points, devices, verbose=False)
 
 
-def _normalise(plan, p: int) -> tuple[list[list[tuple[str, int]]] | None, str | None]:
-    """The plan as lists of ``(op, i)`` tuples, or a message saying what is wrong with its format."""
-    example = "return one list per stage, e.g. [[('F', 0), ('B', 0)], ...]"
-    if not isinstance(plan, (list, tuple)):
-        return None, f"your function returned {type(plan).__name__}, not a list: {example}"
-    if len(plan) != p:
-        return None, f"{len(plan)} lists of ops for {p} stages: {example}"
-    out = []
-    for s, ops in enumerate(plan):
-        if not isinstance(ops, (list, tuple)) or any(isinstance(op, str) for op in ops):
-            return None, f"stage {s}'s ops are {str(ops)[:60]}: write each op as a pair ('F', 0), not 'F0'. {example}"
-        try:
-            out.append([(str(op), int(i)) for op, i in ops])
-        except (TypeError, ValueError):
-            return None, f"stage {s}'s ops are not (op, micro_batch) pairs: {str(ops)[:60]}... {example}"
-        bad = next((op for op, _ in out[-1] if op not in ("F", "B")), None)
-        if bad is not None:
-            return None, f"stage {s} has an op {bad!r}: ops are 'F' (forward) and 'B' (backward)"
-    return out, None
+def make_model() -> nn.Sequential:
+    """The model the check splits: 4 x (Linear(16, 16) + Tanh), 8 layers, all 16 wide (so that parts run in the
+    wrong order still fit together, and only the numbers show it)."""
+    return mlp([16] * 5, nn.Tanh, last_activation=True, seed=0)
 
 
-def _warmups(plan: list[list[tuple[str, int]]]) -> list[int]:
-    """Per stage, the forwards it runs before its first backward."""
-    return [next((k for k, (op, _) in enumerate(ops) if op == "B"), len(ops)) for ops in plan]
+def _target(func, args, kwargs) -> torch.device | None:
+    """The device a ``.to``/``.cpu``/``.cuda`` call moves to (``None`` for a change of dtype only)."""
+    if func is torch.Tensor.cpu:
+        return torch.device("cpu")
+    if func is torch.Tensor.cuda:
+        return torch.device("cuda", args[1] if len(args) > 1 and isinstance(args[1], int) else 0)
+    for a in (*args[1:], (kwargs or {}).get("device")):
+        if isinstance(a, (str, torch.device)):
+            return torch.device(a)
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
 
 
-def _held(ops: list[tuple[str, int]]) -> int:
-    """The most micro-batches whose activations a stage holds at once (forward done, backward not)."""
-    held = peak = 0
-    for op, _ in ops:
-        held += 1 if op == "F" else -1
-        peak = max(peak, held)
-    return peak
+class _Watch(TorchFunctionMode):
+    """Notes every move of a tensor to a device in ``events``."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in MOVES:
+            target = _target(func, args, kwargs)
+            if target is not None:
+                self.events.append(("move", target))
+        return func(*args, **(kwargs or {}))
 
 
-def diagnose(plan, p: int, m: int) -> str | None:
-    """A message naming what is wrong with ``plan`` as the 1F1B schedule of p stages and m micro-batches;
-    ``None`` when it is the 1F1B schedule."""
-    plan, problem = _normalise(plan, p)
-    if problem:
-        return problem
-    ref = schedule("1f1b", p, m)
-    if plan == ref:
-        return None
-    for s, ops in enumerate(plan):
-        for op in ("F", "B"):
-            for i in range(m):
-                n = ops.count((op, i))
-                if n != 1:
-                    return f"stage {s} {f'never runs {op}{i}' if n == 0 else f'runs {op}{i} {n} times'}: every " \
-                           f"stage runs the forward and the backward of each micro-batch (0 to {m - 1}) exactly once"
-        if len(ops) != 2 * m:
-            extra = next(f"{op}{i}" for op, i in ops if not 0 <= i < m)
-            return f"stage {s} runs {extra}, but the micro-batches are 0 to {m - 1}"
-        for i in range(m):
-            if ops.index(("B", i)) < ops.index(("F", i)):
-                return f"stage {s} runs B{i} before F{i}: a backward needs the activations its forward saved"
-    if plan == schedule("gpipe", p, m):
-        return ("that is GPipe's order (all forwards, then all backwards). 1F1B starts the backwards early: "
-                "after a warm-up of p-1-s forwards, stage s alternates one forward and one backward")
-    want = [min(p - s, m) for s in range(p)]
-    warm = _warmups(plan)
-    warm_note = next((f" Stage {s} runs {w} forward(s) before its first backward; 1F1B runs min(p-s, m) = {want[s]} "
-                      f"(a warm-up of p-1-s = {p - 1 - s}, then one forward and one backward)."
-                      for s, (w, want_s) in enumerate(zip(warm, want)) if w != want_s), "")
+def _read_run(events: list, n: int, points: list[int], devices: list[str]) -> str | None:
+    """What the layer and move events of one forward say is wrong, or ``None``."""
+    ran = [k for kind, k in events if kind == "layer"]
+    missing = [k for k in range(n) if k not in ran]
+    if missing:
+        return (f"layer(s) {missing} never ran: an off-by-one at a split point? With points {points}, part k is "
+                "model[points[k-1]:points[k]]: a slice stops before its end, and the next part starts there")
+    twice = sorted({k for k in ran if ran.count(k) > 1})
+    if twice:
+        return (f"layer(s) {twice} ran twice: the parts overlap (an off-by-one at a split point?). With points "
+                f"{points}, part k is model[points[k-1]:points[k]]; the next part starts at points[k]")
+    if ran != sorted(ran):
+        return (f"the layers ran in the order {ran}: the parts run in the wrong order. Run part 0 first (layers "
+                f"0 to {points[0] - 1}), then part 1, ...")
+    for k, p in enumerate(points, start=1):
+        at = [e for e in events[events.index(("layer", p - 1)) + 1:events.index(("layer", p))] if e[0] == "move"]
+        if not any(target == torch.device(devices[k]) for _, target in at):
+            return f"at split point {p} (between layer {p - 1} and layer {p}) {NOT_MOVED}"
+    return None
+
+
+def _attempt(fn, points: list[int]) -> tuple[Feedback | None, dict]:
+    """Split a fresh model with ``fn``, run it once under watch; ``(feedback, what happened)``."""
+    model, devices = make_model(), ["cpu"] * (len(points) + 1)
+    reference = copy.deepcopy(model)
+    events: list = []
+    for k, layer in enumerate(model):
+        layer.register_forward_pre_hook(lambda module, inputs, k=k: events.append(("layer", k)))
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    where = f"split at {points} onto {devices}"
     try:
-        sim = simulate_plan(plan)
-    except RuntimeError as e:
-        return f"{e}.{warm_note}"
-    held, ref_held = [_held(ops) for ops in plan], [_held(ops) for ops in ref]
-    effect = (f" Simulated (forward 1, backward 2): bubble {sim['bubble']:.3f} (1F1B: {bubble_formula(p, m):.3f}); "
-              f"activations held per stage {held} (1F1B: {ref_held}).")
-    if warm_note:
-        return warm_note.strip() + effect
-    s = next(s for s in range(p) if plan[s] != ref[s])
-    k = next(k for k, (a, b) in enumerate(zip(plan[s], ref[s])) if a != b)
-    return (f"stage {s}'s op number {k} is {''.join(map(str, plan[s][k]))}; 1F1B runs "
-            f"{''.join(map(str, ref[s][k]))} there: after the warm-up, one forward, then one backward, the oldest "
-            f"micro-batch first.{effect}")
+        split = fn(model, points, devices)
+        if split is model:
+            return wrong(f"{where}: your function returned the model itself: cut it into parts"), {}
+        if not callable(split):
+            return wrong(f"{where}: your function returned {type(split).__name__}, which cannot be called: return "
+                         "the split model (e.g. an nn.Module whose forward runs the parts)"), {}
+        with _Watch(events):
+            out = split(x)
+    except NotImplementedError:
+        return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell "
+                                       "again"), {}
+    except Exception as e:  # noqa: BLE001 (the learner's code: any error is feedback)
+        hint = f"\nHint: {NOT_MOVED}" if "same device" in str(e) else ""
+        return wrong(f"{where}: {type(e).__name__}: {e}{hint}"), {}
+    if not isinstance(out, torch.Tensor):
+        return wrong(f"{where}: calling the split model returned {type(out).__name__}, not a tensor"), {}
+    return None, {"model": model, "reference": reference, "events": events, "out": out, "x": x, "y": y,
+                  "devices": devices, "where": where}
 
 
-def check_1f1b(fn) -> Feedback:
-    """Compare ``fn(stages, micro_batches)`` with the 1F1B schedule on several pipelines; explain the first
-    difference."""
+def check_split(fn) -> Feedback:
+    """``fn(model, points, devices)`` must return a callable equal to the unsplit model, outputs and gradients,
+    for every split in :data:`CASES`; the first mistake is named."""
     if not callable(fn):
         return wrong(f"pass your function itself (without calling it), got {fn!r}")
-    for p, m in CASES:
-        try:
-            plan = fn(p, m)
-        except NotImplementedError:
-            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell "
-                                           "again")
-        except Exception as e:  # noqa: BLE001 (the learner's code: any error is feedback)
-            return wrong(f"for {p} stages and {m} micro-batches your function raised {type(e).__name__}: {e}")
-        message = diagnose(plan, p, m)
+    for points in CASES:
+        feedback, run = _attempt(fn, points)
+        if feedback is not None:
+            return feedback
+        where, model, reference = run["where"], run["model"], run["reference"]
+        message = _read_run(run["events"], len(model), points, run["devices"])
         if message:
-            return wrong(f"{p} stages, {m} micro-batches: {message}")
-    cases = ", ".join(f"{p}x{m}" for p, m in CASES)
-    return passed(f"your schedule is 1F1B for every (stages x micro-batches) tried: {cases}; simulated, it idles "
-                  "(p-1)/(m+p-1) of the time and stage s holds at most min(p-s, m) micro-batches' activations")
+            return wrong(f"{where}: {message}")
+        expected = reference(run["x"])
+        if run["out"].shape != expected.shape or not torch.allclose(run["out"], expected, atol=1e-6):
+            return wrong(f"{where}: the output differs from the unsplit model's")
+        nn.functional.mse_loss(run["out"], run["y"]).backward()
+        nn.functional.mse_loss(expected, run["y"]).backward()
+        grads = [p.grad for p in model.parameters()]
+        if any(g is None for g in grads):
+            return wrong(f"{where}: the output is right, but the model's own layers got no gradient: did you copy "
+                         "them (copy.deepcopy)? Build the parts from the model's own layers: "
+                         "nn.Sequential(*list(model)[a:b]).to(device) keeps the same parameter objects and moves "
+                         "their data, so that training the split model trains the model")
+        if not all(torch.allclose(g, r.grad, atol=1e-6) for g, r in zip(grads, reference.parameters())):
+            return wrong(f"{where}: the output is right but the gradients differ from the unsplit model's")
+    return passed(f"outputs and gradients equal the unsplit model's for the splits {list(CASES)}, and the "
+                  "activation moves to the next part's device at every split point")

@@ -1,70 +1,122 @@
-"""Notebook 07's exercise: make a hang an error.
+"""Notebook 07's exercise: write the 1F1B schedule, checked against the real one and the simulator.
 
-The learner writes ``mean_loss(loss)``, called by every rank to log the mean loss over the ranks. It must return that
-mean when every rank calls it, and, when one rank never arrives (stuck loading data, say), raise within seconds on a
-rank that is waiting, instead of waiting for the default 30 minutes. The check runs both: 3 healthy ranks, then 3
-ranks of which the last one is stuck.
+The learner writes ``fn(stages, micro_batches)`` that returns, for each stage, the ops it runs in order,
+in the format of :func:`course_lib.pipeline_parallel.schedule`: ``[[("F", 0), ("F", 1), ("B", 0), ...], ...]``.
+The check asks for several pipelines (more micro-batches than stages, fewer, one stage, one micro-batch)
+and compares each with ``schedule("1f1b", p, m)``. A wrong answer is run on the simulator
+(:func:`~course_lib.pipeline_parallel.simulate_plan`) to say what it would do: deadlock (and which stage
+waits for what), idle longer, or hold more activations than 1F1B.
 """
 from __future__ import annotations
 
-import time
-from datetime import timedelta
+from ..pipeline_parallel import bubble_formula, schedule, simulate_plan
+from . import NOT_ATTEMPTED, Feedback, passed, wrong
 
-import torch
-import torch.distributed as dist
-
-from ..launch import RankError, RunTimeoutError, run
-from . import NOT_ATTEMPTED, Feedback, passed, run_attempt, wrong
-
-STUCK_FOR = 30.0      # seconds the stuck rank sleeps: far longer than any answer may wait
-PROMISE = 10.0        # seconds within which a waiting rank must have raised
+CASES = ((2, 4), (4, 8), (3, 5), (4, 2), (2, 1), (1, 3))   # (stages, micro-batches)
 
 
-def mean_loss(loss: torch.Tensor) -> float:
-    """Reference: the mean of ``loss`` over the ranks, or an error naming the ranks that did not arrive within 5 s.
-
-    ``monitored_barrier`` (Gloo only) makes rank 0 wait for every rank with a timeout and say which are missing;
-    only then does the all-reduce start, so it can no longer wait for a rank that is not coming."""
-    dist.monitored_barrier(timeout=timedelta(seconds=5), wait_all_ranks=True)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+def reference_1f1b(stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
+    """The reference solution: the course library's 1F1B."""
+    return schedule("1f1b", stages, micro_batches)
 
 
-def healthy_trial(rank, world_size, fn):
-    return fn(torch.tensor(float(rank + 1)))
+def _normalise(plan, p: int) -> tuple[list[list[tuple[str, int]]] | None, str | None]:
+    """The plan as lists of ``(op, i)`` tuples, or a message saying what is wrong with its format."""
+    example = "return one list per stage, e.g. [[('F', 0), ('B', 0)], ...]"
+    if not isinstance(plan, (list, tuple)):
+        return None, f"your function returned {type(plan).__name__}, not a list: {example}"
+    if len(plan) != p:
+        return None, f"{len(plan)} lists of ops for {p} stages: {example}"
+    out = []
+    for s, ops in enumerate(plan):
+        if not isinstance(ops, (list, tuple)) or any(isinstance(op, str) for op in ops):
+            return None, f"stage {s}'s ops are {str(ops)[:60]}: write each op as a pair ('F', 0), not 'F0'. {example}"
+        try:
+            out.append([(str(op), int(i)) for op, i in ops])
+        except (TypeError, ValueError):
+            return None, f"stage {s}'s ops are not (op, micro_batch) pairs: {str(ops)[:60]}... {example}"
+        bad = next((op for op, _ in out[-1] if op not in ("F", "B")), None)
+        if bad is not None:
+            return None, f"stage {s} has an op {bad!r}: ops are 'F' (forward) and 'B' (backward)"
+    return out, None
 
 
-def stuck_trial(rank, world_size, fn):
-    if rank == world_size - 1:
-        time.sleep(STUCK_FOR)                   # never arrives in time
-    return fn(torch.tensor(float(rank + 1)))
+def _warmups(plan: list[list[tuple[str, int]]]) -> list[int]:
+    """Per stage, the forwards it runs before its first backward."""
+    return [next((k for k, (op, _) in enumerate(ops) if op == "B"), len(ops)) for ops in plan]
 
 
-def check_mean_loss(fn) -> Feedback:
-    """``fn(loss)`` returns the mean over ranks when all arrive, and raises within seconds when one never does."""
-    results, feedback = run_attempt(healthy_trial, 3, fn, timeout=30)
-    if feedback is not None:
-        return feedback
-    want = (1 + 2 + 3) / 3
-    if any(not isinstance(r, (int, float)) or abs(r - want) > 1e-6 for r in results):
-        return wrong(f"with every rank present, each should return the mean loss {want:g} (ranks hold 1, 2, 3), "
-                     f"got {results}")
-    start = time.monotonic()
+def _held(ops: list[tuple[str, int]]) -> int:
+    """The most micro-batches whose activations a stage holds at once (forward done, backward not)."""
+    held = peak = 0
+    for op, _ in ops:
+        held += 1 if op == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def diagnose(plan, p: int, m: int) -> str | None:
+    """A message naming what is wrong with ``plan`` as the 1F1B schedule of p stages and m micro-batches;
+    ``None`` when it is the 1F1B schedule."""
+    plan, problem = _normalise(plan, p)
+    if problem:
+        return problem
+    ref = schedule("1f1b", p, m)
+    if plan == ref:
+        return None
+    for s, ops in enumerate(plan):
+        for op in ("F", "B"):
+            for i in range(m):
+                n = ops.count((op, i))
+                if n != 1:
+                    return f"stage {s} {f'never runs {op}{i}' if n == 0 else f'runs {op}{i} {n} times'}: every " \
+                           f"stage runs the forward and the backward of each micro-batch (0 to {m - 1}) exactly once"
+        if len(ops) != 2 * m:
+            extra = next(f"{op}{i}" for op, i in ops if not 0 <= i < m)
+            return f"stage {s} runs {extra}, but the micro-batches are 0 to {m - 1}"
+        for i in range(m):
+            if ops.index(("B", i)) < ops.index(("F", i)):
+                return f"stage {s} runs B{i} before F{i}: a backward needs the activations its forward saved"
+    if plan == schedule("gpipe", p, m):
+        return ("that is GPipe's order (all forwards, then all backwards). 1F1B starts the backwards early: "
+                "after a warm-up of p-1-s forwards, stage s alternates one forward and one backward")
+    want = [min(p - s, m) for s in range(p)]
+    warm = _warmups(plan)
+    warm_note = next((f" Stage {s} runs {w} forward(s) before its first backward; 1F1B runs min(p-s, m) = {want[s]} "
+                      f"(a warm-up of p-1-s = {p - 1 - s}, then one forward and one backward)."
+                      for s, (w, want_s) in enumerate(zip(warm, want)) if w != want_s), "")
     try:
-        run(stuck_trial, 3, fn, backend="gloo", timeout=STUCK_FOR - 10, show_output=False)
-    except RunTimeoutError:
-        return wrong(f"with rank 2 stuck, ranks 0 and 1 were still waiting after {STUCK_FOR - 10:g} s: nothing turned "
-                     "the wait into an error. A collective waits for the process group's timeout (30 minutes by "
-                     "default): give the wait a timeout of its own, e.g. dist.monitored_barrier(timeout=...)")
-    except RankError as e:
-        if e.exc_type == "NotImplementedError":
-            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code")
-        took = time.monotonic() - start
-        if took > PROMISE + 5:
-            return wrong(f"it did fail, but only after {took:.0f} s: a short timeout (a few seconds) turns the hang "
-                         "into an error a person is still waiting for")
-        named = "2" in e.exc_message and ("monitoredBarrier" in e.exc_message or "rank" in e.exc_message.lower())
-        return passed(f"with every rank present the mean is {want:g}; with rank 2 stuck, rank {e.rank} raised after "
-                      f"{took:.1f} s ({e.exc_type})" + (", naming the missing rank" if named else ""))
-    return wrong(f"with rank 2 stuck for {STUCK_FOR:g} s, every rank still returned: did you skip the collective?")
+        sim = simulate_plan(plan)
+    except RuntimeError as e:
+        return f"{e}.{warm_note}"
+    held, ref_held = [_held(ops) for ops in plan], [_held(ops) for ops in ref]
+    effect = (f" Simulated (forward 1, backward 2): bubble {sim['bubble']:.3f} (1F1B: {bubble_formula(p, m):.3f}); "
+              f"activations held per stage {held} (1F1B: {ref_held}).")
+    if warm_note:
+        return warm_note.strip() + effect
+    s = next(s for s in range(p) if plan[s] != ref[s])
+    k = next(k for k, (a, b) in enumerate(zip(plan[s], ref[s])) if a != b)
+    return (f"stage {s}'s op number {k} is {''.join(map(str, plan[s][k]))}; 1F1B runs "
+            f"{''.join(map(str, ref[s][k]))} there: after the warm-up, one forward, then one backward, the oldest "
+            f"micro-batch first.{effect}")
+
+
+def check_1f1b(fn) -> Feedback:
+    """Compare ``fn(stages, micro_batches)`` with the 1F1B schedule on several pipelines; explain the first
+    difference."""
+    if not callable(fn):
+        return wrong(f"pass your function itself (without calling it), got {fn!r}")
+    for p, m in CASES:
+        try:
+            plan = fn(p, m)
+        except NotImplementedError:
+            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell "
+                                           "again")
+        except Exception as e:  # noqa: BLE001 (the learner's code: any error is feedback)
+            return wrong(f"for {p} stages and {m} micro-batches your function raised {type(e).__name__}: {e}")
+        message = diagnose(plan, p, m)
+        if message:
+            return wrong(f"{p} stages, {m} micro-batches: {message}")
+    cases = ", ".join(f"{p}x{m}" for p, m in CASES)
+    return passed(f"your schedule is 1F1B for every (stages x micro-batches) tried: {cases}; simulated, it idles "
+                  "(p-1)/(m+p-1) of the time and stage s holds at most min(p-s, m) micro-batches' activations")

@@ -1,140 +1,70 @@
-"""Notebook 08's exercise: ZeRO-1 by hand, on a model whose parameters are one flat vector.
+"""Notebook 08's exercise: make a hang an error.
 
-The learner writes ``zero1(flat_param, make_optimizer)``, which returns ``step(flat_grad)``:
-
-* ``flat_param``: every parameter of the model in one 1-D tensor, the same on every rank; its length is
-  a multiple of the world size, so ``flat_param.chunk(world_size)[rank]`` is this rank's slice;
-* ``make_optimizer(tensors)``: builds the optimizer (SGD with momentum) over ``tensors``;
-* ``step(flat_grad)``: this rank's own gradient (not averaged) in; afterwards ``flat_param`` must hold
-  the parameters after one optimizer step with the gradient averaged over all ranks, on every rank.
-
-The check trains a linear model for a few steps on 2 and 3 ranks and compares ``flat_param`` with one
-process on the global batch. SGD with momentum, not Adam: Adam divides the gradient by its own size,
-which would hide a gradient N times too large. It also counts the elements each rank's optimizer was
-built on: ZeRO-1 keeps optimizer state for 1/N of them.
+The learner writes ``mean_loss(loss)``, called by every rank to log the mean loss over the ranks. It must return that
+mean when every rank calls it, and, when one rank never arrives (stuck loading data, say), raise within seconds on a
+rank that is waiting, instead of waiting for the default 30 minutes. The check runs both: 3 healthy ranks, then 3
+ranks of which the last one is stuck.
 """
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..zero.flat import all_gather_single, reduce_scatter_single
-from . import passed, run_attempt, wrong
+from ..launch import RankError, RunTimeoutError, run
+from . import NOT_ATTEMPTED, Feedback, passed, run_attempt, wrong
 
-SHAPE = (12, 5)                 # a linear model 12 -> 5: 60 parameters, a multiple of 2, 3 and 4
-STEPS, BATCH, LR, MOMENTUM = 3, 4, 0.1, 0.9
-WORLD_SIZES = (2, 3)
-
-
-def zero1(flat_param: torch.Tensor, make_optimizer):
-    """The reference solution."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    shard = flat_param.chunk(world_size)[rank].clone()       # this rank's slice, a copy of its own
-    optimizer = make_optimizer([shard])                      # optimizer state for the slice alone: 1/N
-
-    def step(flat_grad: torch.Tensor) -> None:
-        grad = torch.empty_like(shard)
-        reduce_scatter_single(grad, flat_grad)               # the sum over the ranks of everyone's slice `rank`
-        shard.grad = grad / world_size                       # ... made an average
-        optimizer.step()                                     # step this rank's slice
-        all_gather_single(flat_param, shard)                 # every rank's updated slice, on every rank
-    return step
+STUCK_FOR = 30.0      # seconds the stuck rank sleeps: far longer than any answer may wait
+PROMISE = 10.0        # seconds within which a waiting rank must have raised
 
 
-def _problem(world_size: int):
-    g = torch.Generator().manual_seed(8)
-    start = 0.1 * torch.randn(SHAPE[0] * SHAPE[1], generator=g)
-    x = torch.randn(STEPS, world_size * BATCH, SHAPE[0], generator=g)
-    y = torch.randn(STEPS, world_size * BATCH, SHAPE[1], generator=g)
-    return start, x, y
+def mean_loss(loss: torch.Tensor) -> float:
+    """Reference: the mean of ``loss`` over the ranks, or an error naming the ranks that did not arrive within 5 s.
+
+    ``monitored_barrier`` (Gloo only) makes rank 0 wait for every rank with a timeout and say which are missing;
+    only then does the all-reduce start, so it can no longer wait for a rank that is not coming."""
+    dist.monitored_barrier(timeout=timedelta(seconds=5), wait_all_ranks=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
-def _loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (x @ flat.view(SHAPE) - y).pow(2).mean()
+def healthy_trial(rank, world_size, fn):
+    return fn(torch.tensor(float(rank + 1)))
 
 
-def _optimizer(tensors):
-    return torch.optim.SGD(tensors, lr=LR, momentum=MOMENTUM)
+def stuck_trial(rank, world_size, fn):
+    if rank == world_size - 1:
+        time.sleep(STUCK_FOR)                   # never arrives in time
+    return fn(torch.tensor(float(rank + 1)))
 
 
-def trial(rank: int, world_size: int, fn) -> dict:
-    """Worker: train with the learner's ZeRO-1 on this rank's share of each batch."""
-    start, x, y = _problem(world_size)
-    flat = start.clone()
-    built: list[int] = []
-
-    def make_optimizer(tensors):
-        tensors = list(tensors)
-        built.append(sum(t.numel() for t in tensors))
-        return _optimizer(tensors)
-
-    step = fn(flat, make_optimizer)
-    if not callable(step):
-        return {"not callable": repr(step)}
-    mine = slice(rank * BATCH, (rank + 1) * BATCH)
-    for t in range(STEPS):
-        p = flat.clone().requires_grad_()
-        _loss(p, x[t, mine], y[t, mine]).backward()
-        step(p.grad)
-    return {"final": flat.clone(), "built": built}
-
-
-def reference(world_size: int, gradient_scale: float = 1.0) -> torch.Tensor:
-    """One process on the global batch (with its gradient multiplied by ``gradient_scale``)."""
-    start, x, y = _problem(world_size)
-    flat = start.clone().requires_grad_()
-    optimizer = _optimizer([flat])
-    for t in range(STEPS):
-        optimizer.zero_grad()
-        _loss(flat, x[t], y[t]).backward()
-        flat.grad *= gradient_scale
-        optimizer.step()
-    return flat.detach()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _diagnose(results: list[dict], n: int) -> str | None:
-    if "not callable" in results[0]:
-        return f"zero1 must return the function step(flat_grad), got {results[0]['not callable']}"
-    start, numel = _problem(n)[0], SHAPE[0] * SHAPE[1]
-    built = [r["built"] for r in results]
-    if any(len(b) == 0 for b in built):
-        return "no optimizer was built: call make_optimizer([your slice]) once, in zero1"
-    if any(len(b) > 1 for b in built):
-        return ("make_optimizer was called more than once per rank: build the optimizer once, in zero1, not in step "
-                "(a new optimizer forgets its momentum every step)")
-    if any(b[0] >= numel for b in built):
-        return (f"every rank steps every parameter: each rank's optimizer was built on all {numel} elements, so each "
-                f"keeps the optimizer state of the whole model. ZeRO-1 builds it on this rank's 1/{n} slice "
-                "(flat_param.chunk(world_size)[rank]) and all-gathers the updated slices.")
-    final, expected = [r["final"] for r in results], reference(n)
-    if all(_close(f, expected) for f in final):
-        return None
-    ranks_disagree = len({tuple(f.tolist()) for f in final}) > 1
-    if ranks_disagree or all(torch.equal(f, start) for f in final):
-        return ("the all-gather is missing: after the step the ranks do not all hold the updated parameters (each has "
-                "at most its own slice updated). All-gather every rank's updated slice into flat_param.")
-    if all(_close(f, reference(n, gradient_scale=n)) for f in final):
-        return (f"on {n} ranks the weights moved as if the gradient were {n} times too large: the reduce-scatter "
-                "sums the ranks' gradients; divide by the world size to average them.")
-    gap = max((f - expected).abs().max().item() for f in final)
-    return f"on {n} ranks flat_param differs from one process on the global batch by up to {gap:.2e}"
-
-
-def check_zero1(fn):
-    """Run ``fn`` on 2 and 3 ranks for a few steps of SGD with momentum; explain the first wrong answer."""
-    for n in WORLD_SIZES:
-        results, feedback = run_attempt(
-            trial, n, fn, timeout=20,
-            timeout_hint="A rank waits in a collective the others never call: every rank must call the same "
-                         "collectives, in the same order, with tensors of the same sizes.")
-        if feedback is not None:
-            return feedback
-        message = _diagnose(results, n)
-        if message:
-            return wrong(message)
-    return passed("your ZeRO-1 step equals one process on the global batch on 2 and 3 ranks (SGD with momentum), "
-                  "with each rank keeping optimizer state for its own slice only")
+def check_mean_loss(fn) -> Feedback:
+    """``fn(loss)`` returns the mean over ranks when all arrive, and raises within seconds when one never does."""
+    results, feedback = run_attempt(healthy_trial, 3, fn, timeout=30)
+    if feedback is not None:
+        return feedback
+    want = (1 + 2 + 3) / 3
+    if any(not isinstance(r, (int, float)) or abs(r - want) > 1e-6 for r in results):
+        return wrong(f"with every rank present, each should return the mean loss {want:g} (ranks hold 1, 2, 3), "
+                     f"got {results}")
+    start = time.monotonic()
+    try:
+        run(stuck_trial, 3, fn, backend="gloo", timeout=STUCK_FOR - 10, show_output=False)
+    except RunTimeoutError:
+        return wrong(f"with rank 2 stuck, ranks 0 and 1 were still waiting after {STUCK_FOR - 10:g} s: nothing turned "
+                     "the wait into an error. A collective waits for the process group's timeout (30 minutes by "
+                     "default): give the wait a timeout of its own, e.g. dist.monitored_barrier(timeout=...)")
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code")
+        took = time.monotonic() - start
+        if took > PROMISE + 5:
+            return wrong(f"it did fail, but only after {took:.0f} s: a short timeout (a few seconds) turns the hang "
+                         "into an error a person is still waiting for")
+        named = "2" in e.exc_message and ("monitoredBarrier" in e.exc_message or "rank" in e.exc_message.lower())
+        return passed(f"with every rank present the mean is {want:g}; with rank 2 stuck, rank {e.rank} raised after "
+                      f"{took:.1f} s ({e.exc_type})" + (", naming the missing rank" if named else ""))
+    return wrong(f"with rank 2 stuck for {STUCK_FOR:g} s, every rank still returned: did you skip the collective?")

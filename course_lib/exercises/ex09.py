@@ -1,117 +1,140 @@
-"""Notebook 09's exercise: write ``f``, the operator at the entry of a column-parallel layer.
+"""Notebook 09's exercise: ZeRO-1 by hand, on a model whose parameters are one flat vector.
 
-``f`` is the identity in the forward pass and an all-reduce (sum) of the gradient in the backward pass. The
-learner writes ``fn(x)`` (typically ``MyF.apply(x)`` for a ``torch.autograd.Function``). The check runs it on
-2 and 4 ranks, twice:
+The learner writes ``zero1(flat_param, make_optimizer)``, which returns ``step(flat_grad)``:
 
-1. a probe: the same ``x`` on every rank, a loss ``(fn(x) * w_rank).sum()`` with a different ``w_rank`` per
-   rank, so the right input gradient is the sum of the ``w_rank``; what comes out instead names the mistake;
-2. in use: ``fn`` at the entry of a column → row MLP, whose input gradient must equal the unsplit MLP's.
+* ``flat_param``: every parameter of the model in one 1-D tensor, the same on every rank; its length is
+  a multiple of the world size, so ``flat_param.chunk(world_size)[rank]`` is this rank's slice;
+* ``make_optimizer(tensors)``: builds the optimizer (SGD with momentum) over ``tensors``;
+* ``step(flat_grad)``: this rank's own gradient (not averaged) in; afterwards ``flat_param`` must hold
+  the parameters after one optimizer step with the gradient averaged over all ranks, on every rank.
+
+The check trains a linear model for a few steps on 2 and 3 ranks and compares ``flat_param`` with one
+process on the global batch. SGD with momentum, not Adam: Adam divides the gradient by its own size,
+which would hide a gradient N times too large. It also counts the elements each rank's optimizer was
+built on: ZeRO-1 keeps optimizer state for 1/N of them.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
-from ..models.transformer import MLP
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.operators import f as reference_f  # noqa: F401 (the reference solution)
+from ..zero.flat import all_gather_single, reduce_scatter_single
 from . import passed, run_attempt, wrong
 
-WORLD_SIZES = (2, 4)
+SHAPE = (12, 5)                 # a linear model 12 -> 5: 60 parameters, a multiple of 2, 3 and 4
+STEPS, BATCH, LR, MOMENTUM = 3, 4, 0.1, 0.9
+WORLD_SIZES = (2, 3)
 
 
-def probe(rank, world_size, fn):
-    """Worker: the forward output, the input gradient, and what they should be."""
-    x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).requires_grad_()
-    weights = [torch.arange(6, dtype=torch.float64) * (r + 1) + r for r in range(world_size)]  # w_r per rank
-    y = fn(x)
-    if not isinstance(y, torch.Tensor):
-        return {"type": type(y).__name__}
-    if y.requires_grad:
-        (y * weights[rank]).sum().backward()
-    grad = None if x.grad is None else x.grad.clone()
-    return {"type": "Tensor", "y": y.detach().clone(), "x": x.detach(), "grad": grad, "own": weights[rank],
-            "sum": sum(weights)}
+def zero1(flat_param: torch.Tensor, make_optimizer):
+    """The reference solution."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = flat_param.chunk(world_size)[rank].clone()       # this rank's slice, a copy of its own
+    optimizer = make_optimizer([shard])                      # optimizer state for the slice alone: 1/N
+
+    def step(flat_grad: torch.Tensor) -> None:
+        grad = torch.empty_like(shard)
+        reduce_scatter_single(grad, flat_grad)               # the sum over the ranks of everyone's slice `rank`
+        shard.grad = grad / world_size                       # ... made an average
+        optimizer.step()                                     # step this rank's slice
+        all_gather_single(flat_param, shard)                 # every rank's updated slice, on every rank
+    return step
 
 
-def in_an_mlp(rank, world_size, fn):
-    """Worker: ``fn`` entering a column → row MLP; the input gradient next to the unsplit MLP's.
-
-    In float64, like the probe: the split MLP adds in another order than the unsplit one, and float32's
-    rounding (~1e-7 relative) would leave a correct ``f`` little margin under the check's tolerance.
-    """
-    torch.manual_seed(0)
-    mlp = MLP(8, 16).double()
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    x_full = x.clone().requires_grad_()
-    mlp(x_full).pow(2).sum().backward()
-    up = ColumnParallelLinear(mlp.up, entry="none")       # no f inside: the learner's f is the entry
-    down = RowParallelLinear(mlp.down)
-    x_part = x.clone().requires_grad_()
-    down(F.gelu(up(fn(x_part)))).pow(2).sum().backward()
-    return {"grad": x_part.grad, "expected": x_full.grad}
+def _problem(world_size: int):
+    g = torch.Generator().manual_seed(8)
+    start = 0.1 * torch.randn(SHAPE[0] * SHAPE[1], generator=g)
+    x = torch.randn(STEPS, world_size * BATCH, SHAPE[0], generator=g)
+    y = torch.randn(STEPS, world_size * BATCH, SHAPE[1], generator=g)
+    return start, x, y
 
 
-def _close(a, b) -> bool:
-    """Equal up to float64 rounding (both workers compute in float64)."""
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+def _loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x @ flat.view(SHAPE) - y).pow(2).mean()
+
+
+def _optimizer(tensors):
+    return torch.optim.SGD(tensors, lr=LR, momentum=MOMENTUM)
+
+
+def trial(rank: int, world_size: int, fn) -> dict:
+    """Worker: train with the learner's ZeRO-1 on this rank's share of each batch."""
+    start, x, y = _problem(world_size)
+    flat = start.clone()
+    built: list[int] = []
+
+    def make_optimizer(tensors):
+        tensors = list(tensors)
+        built.append(sum(t.numel() for t in tensors))
+        return _optimizer(tensors)
+
+    step = fn(flat, make_optimizer)
+    if not callable(step):
+        return {"not callable": repr(step)}
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    for t in range(STEPS):
+        p = flat.clone().requires_grad_()
+        _loss(p, x[t, mine], y[t, mine]).backward()
+        step(p.grad)
+    return {"final": flat.clone(), "built": built}
+
+
+def reference(world_size: int, gradient_scale: float = 1.0) -> torch.Tensor:
+    """One process on the global batch (with its gradient multiplied by ``gradient_scale``)."""
+    start, x, y = _problem(world_size)
+    flat = start.clone().requires_grad_()
+    optimizer = _optimizer([flat])
+    for t in range(STEPS):
+        optimizer.zero_grad()
+        _loss(flat, x[t], y[t]).backward()
+        flat.grad *= gradient_scale
+        optimizer.step()
+    return flat.detach()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _diagnose(results: list[dict], n: int) -> str | None:
-    where = f"on {n} ranks"
-    r0 = results[0]
-    if r0["type"] != "Tensor":
-        return f"{where}: your function returned a {r0['type']}, not a tensor: return the result of MyF.apply(x)"
-    forward_ok = all(_close(r["y"], r["x"]) for r in results)
-    forward_reduced = all(_close(r["y"], r["x"] * n) for r in results)
-    grads = [r["grad"] for r in results]
-    if forward_reduced and all(_close(g, r["sum"]) for g, r in zip(grads, results)):
-        return (f"{where}: all-reduce done twice: in the forward as well as in the backward (the output is {n}× x). "
-                "f's forward is the identity; the all-reduce belongs in its backward only.")
-    if forward_reduced and all(_close(g, r["own"]) for g, r in zip(grads, results)):
-        return (f"{where}: that is g, not f: all-reduce in the forward, identity in the backward. "
-                "f is the other way round: identity forward, all-reduce of the gradient backward.")
-    if not forward_ok:
-        return (f"{where}: the forward changed x (rank 0 got {r0['y'][:3].tolist()}... for "
-                f"{r0['x'][:3].tolist()}...): f's forward returns x unchanged.")
-    if any(g is None for g in grads):
-        return (f"{where}: no gradient reached x: the output must come from MyF.apply(x) (a Function that returns a "
-                "tensor connected to x), not from x.detach() or a new tensor.")
-    if all(_close(g, r["own"]) for g, r in zip(grads, results)):
-        return (f"{where}: all-reduce forgotten in backward: each rank's input gradient holds only its own slice's "
-                "contribution. Every rank fed the same x to its slice, so x's gradient is the sum over the ranks: "
-                "dist.all_reduce the gradient in backward.")
-    if all(_close(g, r["sum"] * n) for g, r in zip(grads, results)):
-        return (f"{where}: all-reduce done twice in backward: the gradient is {n}× too large. "
-                "One dist.all_reduce of the gradient is the whole of f's backward.")
-    if all(_close(g, r["sum"] / n) for g, r in zip(grads, results)):
-        return (f"{where}: the gradient was averaged: f's backward sums (dist.all_reduce's default) without dividing "
-                "by the world size; the input's gradient is the sum of the slices' contributions.")
-    if not all(_close(g, r["sum"]) for g, r in zip(grads, results)):
-        bad = next(i for i, (g, r) in enumerate(zip(grads, results)) if not _close(g, r["sum"]))
-        return (f"{where}: rank {bad}'s input gradient is {grads[bad][:3].tolist()}..., expected the sum over ranks "
-                f"{results[bad]['sum'][:3].tolist()}...")
-    return None
+    if "not callable" in results[0]:
+        return f"zero1 must return the function step(flat_grad), got {results[0]['not callable']}"
+    start, numel = _problem(n)[0], SHAPE[0] * SHAPE[1]
+    built = [r["built"] for r in results]
+    if any(len(b) == 0 for b in built):
+        return "no optimizer was built: call make_optimizer([your slice]) once, in zero1"
+    if any(len(b) > 1 for b in built):
+        return ("make_optimizer was called more than once per rank: build the optimizer once, in zero1, not in step "
+                "(a new optimizer forgets its momentum every step)")
+    if any(b[0] >= numel for b in built):
+        return (f"every rank steps every parameter: each rank's optimizer was built on all {numel} elements, so each "
+                f"keeps the optimizer state of the whole model. ZeRO-1 builds it on this rank's 1/{n} slice "
+                "(flat_param.chunk(world_size)[rank]) and all-gathers the updated slices.")
+    final, expected = [r["final"] for r in results], reference(n)
+    if all(_close(f, expected) for f in final):
+        return None
+    ranks_disagree = len({tuple(f.tolist()) for f in final}) > 1
+    if ranks_disagree or all(torch.equal(f, start) for f in final):
+        return ("the all-gather is missing: after the step the ranks do not all hold the updated parameters (each has "
+                "at most its own slice updated). All-gather every rank's updated slice into flat_param.")
+    if all(_close(f, reference(n, gradient_scale=n)) for f in final):
+        return (f"on {n} ranks the weights moved as if the gradient were {n} times too large: the reduce-scatter "
+                "sums the ranks' gradients; divide by the world size to average them.")
+    gap = max((f - expected).abs().max().item() for f in final)
+    return f"on {n} ranks flat_param differs from one process on the global batch by up to {gap:.2e}"
 
 
-def check_f(fn):
-    """``fn(x)`` must be the identity forward and all-reduce the gradient backward, on 2 and 4 ranks."""
-    hint = ("A rank waits in a collective that another rank never calls: every rank must call dist.all_reduce "
-            "in backward (no `if rank == 0`).")
+def check_zero1(fn):
+    """Run ``fn`` on 2 and 3 ranks for a few steps of SGD with momentum; explain the first wrong answer."""
     for n in WORLD_SIZES:
-        results, feedback = run_attempt(probe, n, fn, timeout=20, timeout_hint=hint)
+        results, feedback = run_attempt(
+            trial, n, fn, timeout=20,
+            timeout_hint="A rank waits in a collective the others never call: every rank must call the same "
+                         "collectives, in the same order, with tensors of the same sizes.")
         if feedback is not None:
             return feedback
         message = _diagnose(results, n)
         if message:
             return wrong(message)
-        results, feedback = run_attempt(in_an_mlp, n, fn, timeout=20, timeout_hint=hint)
-        if feedback is not None:
-            return feedback
-        if not all(_close(r["grad"], r["expected"]) for r in results):
-            return wrong(f"on {n} ranks, your f passes the probe but, at the entry of a column → row MLP, the input "
-                         "gradient differs from the unsplit MLP's: does your backward return the all-reduced "
-                         "gradient (and nothing else)?")
-    return passed("your f is the identity forward and sums the gradient over the ranks backward; at the entry of a "
-                  "column → row MLP it gives the unsplit MLP's input gradient, on 2 and 4 ranks")
+    return passed("your ZeRO-1 step equals one process on the global batch on 2 and 3 ranks (SGD with momentum), "
+                  "with each rank keeping optimizer state for its own slice only")

@@ -43,7 +43,7 @@ computes the difference. Where the course's block differs in practice:
 * **on the CPU** dropout's mask is a full-precision tensor (ATen's fused ``native_dropout``, with a 1-byte
   mask, runs on GPUs), and LayerNorm keeps its statistics in the input's precision (CUDA: fp32);
 * separate ``q``, ``k``, ``v`` projections save the same as a fused ``qkv`` (one shared input), *except*
-  under autocast, which casts that input once per projection (three 16-bit copies: notebook 10 measures it).
+  under autocast, which casts that input once per projection (three 16-bit copies: notebook 13 measures it).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
                            stats_bytes: int | None = None, mask_bytes: int | None = None, tp: int = 1) -> dict:
     """Bytes one block saves for backward, term by term (the module docstring's table), and ``"total"``.
 
-    ``tp``: the block split over ``tp`` ranks by tensor parallelism (Megatron's layout, notebook 09): each
+    ``tp``: the block split over ``tp`` ranks by tensor parallelism (Megatron's layout, notebook 11): each
     rank keeps ``1/tp`` of what lives inside the attention heads and the MLP's hidden units (q, k, v, the
     scores, the joined heads, GELU's input and output, the attention dropout), and all of the rest (the
     LayerNorms' inputs, outputs and statistics, the mask, the residual dropouts): Megatron's
@@ -111,7 +111,7 @@ def model_activation_bytes(cfg, batch: int, seq: int | None = None, dtype_bytes:
     Blocks (``layers`` of them, default ``cfg.layers``) plus what is outside them: the embedding's token and
     position indices (int64), the final LayerNorm's input and statistics, the LM head's input, and the
     cross-entropy's log-probabilities, targets (int64) and its weight total (a 4-byte scalar). With ``tp``
-    the blocks are split as in :func:`block_activation_bytes`; the rest is whole on every rank (notebook 09's
+    the blocks are split as in :func:`block_activation_bytes`; the rest is whole on every rank (notebook 11's
     layout keeps the embeddings and the LM head whole).
     """
     s = seq or cfg.seq_len
@@ -223,7 +223,7 @@ def held_bytes(fn, *args, params=()) -> tuple[object, Held]:
 
 def split_block_worker(rank: int, world_size: int, cfgs: list, batch: int = 2, seed: int = 0) -> list[dict]:
     """For each config of ``cfgs`` (a :class:`~course_lib.models.TransformerConfig`), the activations one block
-    split across the ranks (:class:`course_lib.tensor_parallel.ParallelBlock`, notebook 09) keeps for backward on
+    split across the ranks (:class:`course_lib.tensor_parallel.ParallelBlock`, notebook 11) keeps for backward on
     this rank, measured by :func:`.saved.saved_tensors`: ``{False: tensor parallel, True: with sequence
     parallelism}``, one dict per config."""
     from .. import hardware

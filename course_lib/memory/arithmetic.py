@@ -6,7 +6,7 @@ moments); mixed-precision training adds an fp32 master copy of the weights.  Ada
 needs 16 bytes per parameter before a single activation: a 7-billion-parameter model needs 112 GB,
 more than one 80 GB GPU holds.  Activations grow with batch size and depth on top of that.
 
-Data parallelism keeps all of it on every rank. ZeRO shards it over the N ranks instead (notebook 08):
+Data parallelism keeps all of it on every rank. ZeRO shards it over the N ranks instead (notebook 09):
 stage 1 the optimizer states (with the fp32 master weights, which only the optimizer uses), stage 2
 the gradients too, stage 3 the weights too; each sharded part costs a rank 1/N of its bytes.
 """

@@ -2,14 +2,14 @@
 
 For a model shape (a :class:`~course_lib.models.TransformerConfig`: layers, width, heads, vocabulary, MLP
 width), a sequence length, a micro-batch per GPU, a number of GPUs and their memory, :func:`plan` tries every
-layout the course built: data parallelism with ZeRO stage 0 (DDP), 1, 2 or 3 (notebook 08), a tensor-parallel
-degree t (notebook 09; the other GPUs / t do data parallelism), with or without whole-layer recomputation
-(notebook 10), and says for each the bytes every GPU holds, whether they fit, the bytes every GPU sends per
+layout the course built: data parallelism with ZeRO stage 0 (DDP), 1, 2 or 3 (notebook 09), a tensor-parallel
+degree t (notebook 11; the other GPUs / t do data parallelism), with or without whole-layer recomputation
+(notebook 13), and says for each the bytes every GPU holds, whether they fit, the bytes every GPU sends per
 step and the extra compute. Everything is assembled from the pieces the notebooks measured:
 
 * weights, gradients, optimizer states and master weights per GPU: :func:`.arithmetic.training_memory`
   (with ZeRO's 1/N), over the parameters a tensor-parallel rank holds (:func:`param_count`);
-* activations: :func:`.activations.model_activation_bytes` (measured = derived, notebook 10), split by ``t``;
+* activations: :func:`.activations.model_activation_bytes` (measured = derived, notebook 13), split by ``t``;
   whole-layer recomputation keeps one ``b·s·h`` input per layer and rebuilds one layer at a time in backward;
   ZeRO-3 also holds one gathered layer;
 * communication: the collectives of one step, each priced as a ring (:func:`course_lib.comm.costmodel.
@@ -18,13 +18,13 @@ step and the extra compute. Everything is assembled from the pieces the notebook
   all-reduces one activation four times per layer (:func:`course_lib.tensor_parallel.cost.layer_collectives`),
   five with recomputation: the forward runs again, but PyTorch's non-reentrant checkpoint stops it as soon as
   the last tensor backward needs is rebuilt (the MLP's ``down`` input), so the ``down`` matrix product and the
-  all-reduce after it are not repeated (notebook 10 counts both). Data-parallel traffic overlaps the backward;
-  tensor-parallel traffic sits on the critical path (notebook 09).
+  all-reduce after it are not repeated (notebook 13 counts both). Data-parallel traffic overlaps the backward;
+  tensor-parallel traffic sits on the critical path (notebook 11).
 
 What it leaves out, and says so: temporary buffers (activation gradients, the allocator's fragmentation: hence
-``fits`` keeps 10% spare), the CUDA context, pipeline parallelism, and selective recomputation (notebook 10
+``fits`` keeps 10% spare), the CUDA context, pipeline parallelism, and selective recomputation (notebook 13
 measures it between the two). Activations are counted in the training precision on a GPU (16-bit values,
-fp32 LayerNorm statistics, 1-byte dropout masks); autocast's real activations are somewhat larger (notebook 10).
+fp32 LayerNorm statistics, 1-byte dropout masks); autocast's real activations are somewhat larger (notebook 13).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ PRESETS = {   # GPT-style shapes (MLP 4x wide, learned positions, untied head): 
 
 
 def block_params(cfg: TransformerConfig, tp: int = 1) -> int:
-    """Parameters of one block on one of ``tp`` tensor-parallel ranks (notebook 09's split): the Linear
+    """Parameters of one block on one of ``tp`` tensor-parallel ranks (notebook 11's split): the Linear
     weights and the column-parallel biases (``q``, ``v``, ``up``; ``k`` has none) are cut ``tp`` ways; the
     row-parallel biases (``out``, ``down``) and the LayerNorms are whole on every rank."""
     h, f = cfg.dim, cfg.hidden

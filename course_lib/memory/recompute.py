@@ -15,7 +15,7 @@ backward costs about twice the forward). The gradients are identical, bit for bi
 * ``"selective"``: keep every matrix product (``mm``, ``addmm``, ``bmm``: where the FLOPs are), recompute
   the cheap operators (LayerNorm, softmax, GELU, masks, copies);
 * ``"full"``: keep nothing but each block's input (whole-layer checkpointing);
-* or any ``keep(op_name) -> bool`` of your own (notebook 10's exercise).
+* or any ``keep(op_name) -> bool`` of your own (notebook 13's exercise).
 
 The course's model is used as it is: :func:`with_recomputation` returns a copy whose blocks are wrapped
 in :class:`Recomputed`; nothing in :mod:`course_lib.models.transformer` changes.

@@ -2,13 +2,13 @@
 
 :func:`measure_worker` runs on N ranks (Gloo on the CPU, in fp32) and measures, on the course transformer:
 
-* ZeRO stages 1, 2 and 3 from scratch (notebook 08): the bytes behind each rank's parameters, gradients and
+* ZeRO stages 1, 2 and 3 from scratch (notebook 09): the bytes behind each rank's parameters, gradients and
   optimizer states after a step (``zero.rank_bytes``), and the collectives a step issues (``count_traffic``);
-* DDP: the bytes its gradient all-reduce carries (counted by notebook 09's
+* DDP: the bytes its gradient all-reduce carries (counted by notebook 11's
   :class:`~course_lib.comm.record.CollectiveLog`);
 * one rank's unsplit model: the activations saved for backward, and the matrix-product FLOPs of a step, with
-  and without whole-layer recomputation (notebook 10);
-* tensor parallelism (notebook 09's split transformer): the parameters a rank holds, the activations it saves
+  and without whole-layer recomputation (notebook 13);
+* tensor parallelism (notebook 11's split transformer): the parameters a rank holds, the activations it saves
   for backward (saved-tensor hooks), and the collectives of a step, with and without whole-layer recomputation.
 
 :func:`compare` sets each measurement beside :func:`.planner.predict`'s figure for the same layout.
@@ -94,7 +94,7 @@ def _by_kind(records) -> dict:
 def compare(measured: dict, cfg, batch: int, world_size: int) -> list[dict]:
     """Rows ``{"what", "predicted", "measured"}``: the calculator (fp32, CPU conventions) beside one rank's
     measurements from :func:`measure_worker`. ZeRO's reduce-scatter runs as an all-reduce on Gloo (notebook
-    08), so its traffic is compared as the bytes of the buffers, whatever the collective's name."""
+    09), so its traffic is compared as the bytes of the buffers, whatever the collective's name."""
     n, s = world_size, cfg.seq_len
     rows = []
     for recompute in ("none", "full"):

@@ -1,4 +1,4 @@
-"""Model parallelism in one process: a model's layers split across devices (notebook 05).
+"""Model parallelism in one process: a model's layers split across devices (notebook 06).
 
 * :mod:`.split`: :func:`split_model` cuts an ``nn.Sequential`` across ``cuda:0``/``cuda:1`` (mapped onto
   the devices that exist), :class:`PipelinedSplit` adds micro-batches, and a CUDA-event timeline shows

@@ -5,7 +5,7 @@
 * :mod:`.transformer`: a small GPT-style transformer (:func:`transformer`, :class:`TransformerConfig`), its
   blocks usable alone (:class:`MLP`, :class:`CausalSelfAttention`), and its one-process training
   (:func:`train_reference`), the result every parallel layout must reproduce.
-* :mod:`.tiny_lm`: :class:`TinyLM`, tied weights, a frozen parameter and a buffer (notebook 08).
+* :mod:`.tiny_lm`: :class:`TinyLM`, tied weights, a frozen parameter and a buffer (notebook 09).
 """
 from .mlp import WithExtras, make_mlp, mlp
 from .tiny_lm import TinyLM

@@ -1,4 +1,4 @@
-"""A tiny language model with everything that trips up a sharding wrapper (notebook 08's tests).
+"""A tiny language model with everything that trips up a sharding wrapper (notebook 09's tests).
 
 * the output layer **shares its weight** with the embedding (tied weights: one tensor, two layers);
 * a **frozen** parameter (``requires_grad=False``), owned by the top module itself;

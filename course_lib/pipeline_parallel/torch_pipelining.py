@@ -1,4 +1,4 @@
-"""PyTorch's own pipeline parallelism, ``torch.distributed.pipelining``, on the course's stages (notebook 06).
+"""PyTorch's own pipeline parallelism, ``torch.distributed.pipelining``, on the course's stages (notebook 07).
 
 What :func:`.stages.pipeline_worker` does by hand, torch packages in two pieces:
 

@@ -7,13 +7,13 @@
   kept by autograd until backward: 2 more bytes per Linear weight, between forward and backward only.
 * ``"master"``: the model itself in bf16 (weights and gradients 2 + 2 bytes), and the optimizer steps an
   fp32 *master* copy (4 bytes) with fp32 Adam states (8): 16 bytes/parameter again, the
-  ``training_memory(P, "bf16", "adam")`` of notebook 05. After each step the master is rounded into the
+  ``training_memory(P, "bf16", "adam")`` of notebook 06. After each step the master is rounded into the
   bf16 weights.
 * ``"bf16"`` (to show why the master copy exists): the bf16 model stepped directly. An update smaller than
   half a bf16 step of the weight (``|w| x 2^-8``) rounds away: :func:`lost_updates` counts them.
 
 Mixed precision saves activation memory and time, not the per-parameter state: that takes sharding
-(ZeRO, notebook 08) or a smaller optimizer.
+(ZeRO, notebook 09) or a smaller optimizer.
 """
 from __future__ import annotations
 

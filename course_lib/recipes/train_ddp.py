@@ -1,8 +1,8 @@
-"""DDP training, production-shaped: the seed program with its bugs fixed.  Run it under torchrun:
+"""DDP training, production-shaped: a typical DDP script from the web, its bugs fixed.  Run it under torchrun:
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m course_lib.recipes.train_ddp --epochs 4
 
-What it does that the seed program did not:
+What it does that the web script did not:
 * the device comes from ``LOCAL_RANK`` (the rank on this node), not the global rank, and ``set_device``
   is called before ``init_process_group``;
 * it checks its launch (a launcher's environment, NCCL only with a GPU per rank, restarts that can work: see

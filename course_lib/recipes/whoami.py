@@ -2,7 +2,7 @@
 ``python -m torch.distributed.run ... -m course_lib.recipes.whoami``.
 
 Shows the difference between the global ``RANK`` and the ``LOCAL_RANK`` (the index on this node), and which
-GPU each would name: the seed program's ``set_device(get_rank())`` bug, in numbers. Also what else the launcher set
+GPU each would name: the web script's ``set_device(get_rank())`` bug, in numbers. Also what else the launcher set
 for the worker: its CPU thread budget (``OMP_NUM_THREADS``), whether the workers' store is the agent's
 (``TORCHELASTIC_USE_AGENT_STORE``), and NCCL's error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); ``null``
 where unset.

@@ -1,6 +1,6 @@
 """What tensor parallelism sends: every collective of a forward and a backward, recorded with its size by
 :class:`course_lib.comm.record.CollectiveLog` (a ``TorchDispatchMode`` that sees the collectives that run through
-PyTorch's dispatcher, the from-scratch layers' and ``parallelize_module``'s alike; imported here, where notebook 09
+PyTorch's dispatcher, the from-scratch layers' and ``parallelize_module``'s alike; imported here, where notebook 11
 introduces it).
 
 Bytes each rank sends, for a collective over N ranks of a tensor of n bytes (the whole tensor: the all-gather's
@@ -12,7 +12,7 @@ output, the reduce-scatter's input), done as a ring as in notebook 02
 
 The α-β model of notebook 02 then prices each one (:func:`course_lib.comm.costmodel.predict`). These are the
 bytes of the ring algorithm, not what a backend sends: Gloo, for one, runs a reduce-scatter as an all-reduce
-(notebook 08 shows it).
+(notebook 09 shows it).
 
 That is why sequence parallelism's all-gather + reduce-scatter costs what tensor parallelism's all-reduce did.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.costmodel import ring_steps_and_bytes  # noqa: F401  (notebook 09 counts with comm.ring_steps_and_bytes)
-from ..comm.record import CollectiveLog  # notebook 09 records with comm.CollectiveLog
+from ..comm.costmodel import ring_steps_and_bytes  # noqa: F401  (notebook 11 counts with comm.ring_steps_and_bytes)
+from ..comm.record import CollectiveLog  # notebook 11 records with comm.CollectiveLog
 
 
 def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], cfg=None,

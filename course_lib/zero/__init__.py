@@ -1,4 +1,4 @@
-"""Sharded data parallelism from scratch: ZeRO stages 1, 2 and 3 (notebook 08).
+"""Sharded data parallelism from scratch: ZeRO stages 1, 2 and 3 (notebook 09).
 
 Data parallelism keeps N identical copies of everything training holds: parameters, gradients and
 optimizer states (16 bytes per parameter with Adam). ZeRO ("Zero Redundancy Optimizer") gives each

@@ -15,7 +15,7 @@ reduce-scatter leaves rank r the sum of everyone's row r.
 **Which reduce-scatter.** With NCCL, ``reduce_scatter_single`` (``reduce_scatter_tensor`` before
 torch 2.13) is a real reduce-scatter: each rank sends (N-1)/N of the buffer. Gloo accepts it too, but
 implements it as an all-reduce of the whole buffer followed by a slice (torch's profiler shows
-``gloo:all_reduce`` inside it, notebook 08). So on Gloo we say what really happens: all-reduce, then
+``gloo:all_reduce`` inside it, notebook 09). So on Gloo we say what really happens: all-reduce, then
 keep row r. The result is the same; the traffic is an all-reduce's.
 
 :func:`count_traffic` records every collective issued here, so that a notebook can count the bytes a

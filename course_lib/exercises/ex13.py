@@ -1,4 +1,4 @@
-"""Notebook 10's exercise: choose what to recompute so that memory falls under a budget, cheaply.
+"""Notebook 13's exercise: choose what to recompute so that memory falls under a budget, cheaply.
 
 The learner writes ``keep(op_name) -> bool``: for each operator the transformer's blocks run (``"mm"``,
 ``"addmm"``, ``"bmm"``, ``"_softmax"``, ``"gelu"``, ``"native_layer_norm"``...), whether selective

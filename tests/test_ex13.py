@@ -1,5 +1,5 @@
-"""Notebook 10's exercise check: the reference passes, the stub is not attempted, known mistakes are named."""
-from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex10
+"""Notebook 13's exercise check: the reference passes, the stub is not attempted, known mistakes are named."""
+from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex13
 
 
 def stub(op_name):
@@ -7,13 +7,13 @@ def stub(op_name):
 
 
 def test_the_reference_passes():
-    fb = ex10.check_recompute_choice(ex10.keep_linear_layers)
+    fb = ex13.check_recompute_choice(ex13.keep_linear_layers)
     assert fb.status == PASSED and fb, fb
-    assert ex10.check_recompute_choice(lambda op: op.endswith("mm") and op != "bmm").status == PASSED
+    assert ex13.check_recompute_choice(lambda op: op.endswith("mm") and op != "bmm").status == PASSED
 
 
 def test_the_stub_is_not_attempted():
-    fb = ex10.check_recompute_choice(stub)
+    fb = ex13.check_recompute_choice(stub)
     assert fb.status == NOT_ATTEMPTED and not fb and "not attempted yet" in repr(fb)
 
 
@@ -28,17 +28,17 @@ def test_known_wrong_answers_are_named():
         "too much is kept": lambda op: op in ("mm", "addmm", "gelu", "clone"),
     }
     for phrase, keep in cases.items():
-        fb = ex10.check_recompute_choice(keep)
+        fb = ex13.check_recompute_choice(keep)
         assert fb.status == WRONG and phrase in fb.message, (phrase, fb)
 
 
 def test_bad_returns_are_explained():
-    assert "pass your function itself" in ex10.check_recompute_choice(None).message
-    assert "return True" in ex10.check_recompute_choice(lambda op: "mm").message
-    assert "raised KeyError" in ex10.check_recompute_choice(lambda op: {}[op]).message
+    assert "pass your function itself" in ex13.check_recompute_choice(None).message
+    assert "return True" in ex13.check_recompute_choice(lambda op: "mm").message
+    assert "raised KeyError" in ex13.check_recompute_choice(lambda op: {}[op]).message
 
 
 def test_the_table_the_learner_reads():
-    ops = ex10.block_ops()
+    ops = ex13.block_ops()
     assert {"mm", "addmm", "bmm", "_softmax", "gelu", "native_layer_norm"} <= set(ops)
     assert ops["bmm"]["flops"] > 0 and ops["gelu"]["flops"] == 0
