@@ -45,9 +45,10 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("00_welcome.ipynb", "Welcome and your machine",
              "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 25, 35),
     Notebook("01_ranks_and_collectives.ipynb", "Ranks and collectives on the CPU (Gloo)",
-             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 75, 110),
+             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 85, 125),
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
-             "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25, 90, 130),
+             "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25,
+             125, 210),
     Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
              "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
              "full", 30, 80, 110),
@@ -56,27 +57,27 @@ NOTEBOOKS: list[Notebook] = [
              "scaling and the learning rate", 0, "full", 30, 70, 100),
     Notebook("05_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
              "a typical DDP script from the web, fixed; torchrun; resume; multi-node and SLURM; NCCL variables; "
-             "bf16; bus bandwidth", 2, "partial", 55, 90, 130),
+             "bf16; bus bandwidth", 2, "partial", 55, 115, 140),
     Notebook("06_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
-             "partial", 10, 50, 75),
+             "partial", 10, 70, 90),
     Notebook("07_pipeline_schedules.ipynb", "Pipeline schedules",
              "stages as processes; GPipe and 1F1B (you write it); the bubble, measured; torch.distributed.pipelining, "
-             "interleaved 1F1B", 0, "full", 40, 90, 130),
+             "interleaved 1F1B", 0, "full", 40, 115, 170),
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
-             "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 120),
+             "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
              "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; bytes held and "
-             "sent per rank", 0, "full", 35, 80, 110),
+             "sent per rank", 0, "full", 45, 80, 110),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
              "FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; sharded checkpoints (DCP) saved on 4 ranks, "
-             "loaded on 2; when sharding pays", 0, "full", 35, 70, 100),
+             "loaded on 2; when sharding pays", 0, "full", 40, 70, 100),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
-             "block; communication per block", 0, "full", 30, 80, 110),
+             "block; communication per block", 0, "full", 40, 80, 110),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
-             "a 2×2 mesh with FSDP2", 0, "full", 30, 80, 110),
+             "a 2×2 mesh with FSDP2", 0, "full", 65, 80, 110),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
              "saved activations counted and derived; recomputation under a budget (you choose it)", 0, "full",
              20, 60, 85),
@@ -107,10 +108,10 @@ def time_line(nb: Notebook) -> str:
             f"(a first-time learner's read; the course map says how it was measured).")
 
 
-def write_frames(folder: Path | None = None) -> list[str]:
+def write_frames(folder: Path | None = None, write: bool = True) -> list[str]:
     """Put :func:`nav_line` under each notebook's title and :func:`time_line` at the end of its first cell,
     replacing the ones there (``python -m course_lib map --frames``; a test keeps them current).
-    Returns the files it changed."""
+    Returns the files it changed (with ``write=False``: the files it would change, changing none)."""
     import json
     folder = folder or notebook_dir()
     changed = []
@@ -130,7 +131,8 @@ def write_frames(folder: Path | None = None) -> list[str]:
         book["cells"][0]["source"] = [ln + "\n" for ln in source.split("\n")[:-1]] + [source.split("\n")[-1]]
         new = json.dumps(book, indent=1, ensure_ascii=False) + "\n"
         if new != text:
-            path.write_text(new, encoding="utf-8")
+            if write:
+                path.write_text(new, encoding="utf-8")
             changed.append(nb.file)
     return changed
 

@@ -210,7 +210,7 @@ def report(smoke: bool = True) -> tuple[str, bool]:
         if c.fix and c.status in (WARN, FAIL):
             lines.append(f"       fix: {c.fix}")
     lines += ["", "notebooks on this machine:"]
-    lines += [f"  {name:34} {status}" for name, status in notebook_table(failed=not ok)]
+    lines += [f"  {name:40} {status}" for name, status in notebook_table(failed=not ok)]
     lines.append("")
     lines.append("ready: every notebook can run here" if ok else "NOT READY: fix the FAIL lines above")
     return "\n".join(lines), ok

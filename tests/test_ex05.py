@@ -1,4 +1,5 @@
-"""Notebook 05's capstone check: a typical DDP script from the web, fixed, run as two nodes of one (simulated) GPU each."""
+"""Notebook 05's capstone check: a typical DDP script from the web, fixed, run as two nodes of one (simulated) GPU
+each."""
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex05
 
 FIXED = ex05.REFERENCE.read_text()

@@ -97,6 +97,21 @@ def test_every_notebook_opens_with_its_frame_and_ends_with_summary_and_exercises
         last = nb.cells[-1].source
         assert "## Summary" in last and "## Exercises" in last, f"{nb_info.file}: end with a summary and exercises"
         assert "hardware.summary()" in "".join(c.source for c in nb.cells[:3]), f"{nb_info.file}: say what it ran on"
-        # one place for the runtime: the course map; the header repeats its figure
+        # one place for the runtime and the learner's time: the course map; the header repeats its figures
         assert f"**Runtime:** about {nb_info.runtime_s} s on a 2-core CPU machine" in first, \
             f"{nb_info.file}: the header's runtime must be the course map's ({nb_info.runtime_s} s)"
+        assert course_map.time_line(nb_info) in first and course_map.nav_line(nb_info) in first, \
+            f"{nb_info.file}: run python -m course_lib map --frames"
+
+
+def test_the_map_links_each_notebook_to_the_ones_before_and_after_and_times_every_one():
+    files = [nb.file for nb in course_map.NOTEBOOKS]
+    for i, nb_info in enumerate(course_map.NOTEBOOKS):
+        nav = course_map.nav_line(nb_info)
+        assert ("](" + files[i - 1] + ")" in nav) == (i > 0) and ("](" + files[(i + 1) % len(files)] + ")" in nav) \
+            == (i + 1 < len(files))
+        assert "(glossary.md)" in nav and "(00_welcome.ipynb#The-course-map)" in nav
+        assert 0 < nb_info.core_min <= nb_info.all_min and nb_info.runtime_s
+    welcome = nbformat.read(ROOT / "notebooks" / "00_welcome.ipynb", as_version=4).cells
+    assert any(c.source.startswith("## The course map") for c in welcome)  # the anchor every nav line links to
+    assert course_map.write_frames(ROOT / "notebooks", write=False) == [], "run: python -m course_lib map --frames"

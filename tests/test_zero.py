@@ -236,7 +236,7 @@ def test_fsdp2_collectives_memory_mixed_precision_and_a_check_that_catches_summe
         assert summed["sgd"] > 1e-2 and summed["adamw"] < summed["sgd"] / 100
 
 
-def test_the_2d_mesh_of_notebook_09_sums_on_gloo_in_every_fsdp2_unit(no_leftovers):
+def test_the_2d_mesh_of_notebook_12_sums_on_gloo_in_every_fsdp2_unit(no_leftovers):
     from course_lib.models.transformer import LMTrainConfig
     from course_lib.tensor_parallel.training import build
 

@@ -4,5 +4,5 @@
   on each rank (notebook 01).
 * :mod:`.allreduce`: naive, ring and recursive-doubling all-reduce from point-to-point messages (notebook 02).
 * :mod:`.costmodel`: algorithm and bus bandwidth, the α-β model fitted to measurements (notebook 02).
-* :mod:`.record`: the collectives that run, recorded with their size (``CollectiveLog``; notebooks 09-13).
+* :mod:`.record`: the collectives that run, recorded with their size (``CollectiveLog``; notebooks 10-12 and 14).
 """

@@ -1,4 +1,4 @@
-"""Collectives recorded as they run, with their size: :class:`CollectiveLog` (notebooks 09, 11 and 13).
+"""Collectives recorded as they run, with their size: :class:`CollectiveLog` (notebooks 10 to 12 and 14).
 
 :class:`CollectiveLog` is a ``TorchDispatchMode``: while it is active it sees every operator that goes through
 PyTorch's dispatcher, including the collectives that ``torch.distributed`` issues (``c10d.allreduce_``...) and those

@@ -1,5 +1,5 @@
 """Data parallelism: every rank holds the whole model, sees its own shard of the data, and the ranks
-average their gradients (notebooks 03 and 05).
+average their gradients (notebooks 03 to 05).
 
 * :mod:`.mini_ddp`: :func:`average_gradients` (four lines) and :class:`MiniDDP` (buckets, hooks, overlap).
 * :mod:`.training`: the data-parallel training loop every rank runs, the one-process reference on the

@@ -146,7 +146,7 @@ def check_web_script(path) -> Feedback:
     if any(abs(r["lr"] - BASE_LR * world) > 1e-12 for r in reports):
         return wrong(f"the global batch is {world} x {PER_RANK_BATCH} = {world * PER_RANK_BATCH}, {world} times the "
                      f"batch lr={BASE_LR} was tuned for, and the program still uses lr={reports[0]['lr']:g}: scale the "
-                     f"learning rate with the world size (notebook 03's linear rule: {BASE_LR * world:g})")
+                     f"learning rate with the world size (notebook 04's linear rule: {BASE_LR * world:g})")
     if path.resolve() == REFERENCE.resolve():
         _reference_weights["reference"] = reports[0]["weights"]
     if "reference" not in _reference_weights:

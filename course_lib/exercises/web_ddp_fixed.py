@@ -1,8 +1,9 @@
-"""A typical DDP script from the web, fixed: the reference solution of notebook 05's capstone (``course_lib.exercises.ex05``).
+"""A typical DDP script from the web, fixed: the reference solution of notebook 05's capstone
+(``course_lib.exercises.ex05``).
 
-What changed, line by line against the script from the web: the device comes from LOCAL_RANK (not the global rank), it is picked
-before init_process_group, the learning rate follows the global batch (linear scaling), and the process group is
-destroyed at the end, also when training fails.
+What changed, line by line against the script from the web: the device comes from LOCAL_RANK (not the global
+rank), it is picked before init_process_group, the learning rate follows the global batch (linear scaling), and the
+process group is destroyed at the end, also when training fails.
 """
 import os
 

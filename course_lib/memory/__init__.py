@@ -1,11 +1,11 @@
-"""How much memory training needs, predicted and measured (notebooks 06, 09, 11 and 13).
+"""How much memory training needs, predicted and measured (notebooks 06, 09, 12, 13 and 14).
 
 * :mod:`.arithmetic`: bytes of weights, gradients, optimizer states and activations per parameter, and
   what a model and its optimizer really hold.
 * :mod:`.saved`: the activations a forward pass keeps for its backward, measured through autograd's hooks.
 * :mod:`.activations`: those bytes derived term by term for the course's block and model (= measured),
   against Megatron's formula; :func:`.activations.held_bytes`, what a forward leaves allocated;
-  :func:`.activations.split_block_worker`, what a block split across ranks keeps (notebook 11).
+  :func:`.activations.split_block_worker`, what a block split across ranks keeps (notebook 12).
 * :mod:`.recompute`: activation checkpointing, whole-layer and selective: bytes held, FLOPs recomputed.
 * :mod:`.accumulation`: gradient accumulation against a larger micro-batch (memory, time, ``no_sync``).
 * :mod:`.planner`: the calculator: which layouts (DDP, ZeRO, TP, recomputation) fit, at what traffic;

@@ -8,7 +8,7 @@ result. What changes:
   weights, gradients and optimizer states do not change);
 * **time**: k smaller passes instead of one big one; each operator's fixed cost (Python, kernel launches)
   is paid k times and small matrix products run less efficiently, so a step takes longer;
-* **communication** (notebook 03's ``no_sync``): DDP all-reduces the gradients after every backward unless
+* **communication** (notebook 04's ``no_sync``): DDP all-reduces the gradients after every backward unless
   the backward runs inside ``with model.no_sync():``. Accumulating k micro-batches with ``no_sync`` on all
   but the last sends the gradients once per step; without it, k times.
 """

@@ -18,7 +18,7 @@ step and the extra compute. Everything is assembled from the pieces the notebook
   all-reduces one activation four times per layer (:func:`course_lib.tensor_parallel.cost.layer_collectives`),
   five with recomputation: the forward runs again, but PyTorch's non-reentrant checkpoint stops it as soon as
   the last tensor backward needs is rebuilt (the MLP's ``down`` input), so the ``down`` matrix product and the
-  all-reduce after it are not repeated (notebook 13 counts both). Data-parallel traffic overlaps the backward;
+  all-reduce after it are not repeated (notebooks 13 and 14 count them). Data-parallel traffic overlaps the backward;
   tensor-parallel traffic sits on the critical path (notebook 11).
 
 What it leaves out, and says so: temporary buffers (activation gradients, the allocator's fragmentation: hence

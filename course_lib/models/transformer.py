@@ -199,7 +199,7 @@ def make_optimizer(params, cfg: LMTrainConfig) -> torch.optim.Optimizer:
     To compare two layouts' *weights*, use SGD: a weight then differs by the learning rate times the
     difference of the gradients, a direct measure of the parallel arithmetic. Adam divides each gradient by
     its running size, so an element whose gradient is nearly zero (1e-9) moves by a sizeable fraction of the
-    learning rate in a direction set by rounding noise: equal losses, weights equal only to ~1e-5 (notebook 11).
+    learning rate in a direction set by rounding noise: equal losses, weights equal only to ~1e-5 (notebook 12).
     """
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)

@@ -1,4 +1,4 @@
-"""Numeric precision in training: formats, mixed precision, loss scaling, and precision on the wire (notebook 13).
+"""Numeric precision in training: formats, mixed precision, loss scaling, and precision on the wire (notebook 14).
 
 * :mod:`.formats`: what fp32, bf16 and fp16 hold (range, precision) and what a cast to them loses.
 * :mod:`.mixed`: fp32; autocast to bf16 (fp32 parameters); a bf16 model with fp32 master weights

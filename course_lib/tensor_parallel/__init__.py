@@ -1,4 +1,4 @@
-"""Tensor parallelism: each layer's matrices split across the ranks of a group (notebook 11).
+"""Tensor parallelism: each layer's matrices split across the ranks of a group (notebooks 11 and 12).
 
 * :mod:`.operators`: ``f`` and ``g`` (copy / all-reduce and their conjugates) as autograd functions; the
   sequence-parallel all-gather and reduce-scatter.

@@ -1,4 +1,4 @@
-"""Training with every strategy of notebook 09, and the one-process reference they must all equal.
+"""Training with every strategy of notebooks 09 and 10, and the one-process reference they must all equal.
 
 :func:`train_worker` runs on every rank: each rank takes its own ``batch`` examples of each step's
 global batch, trains with ``strategy`` and returns the full state dict. :func:`train_reference` is one
