@@ -32,23 +32,25 @@ Notebook → the modules it shows and uses:
 * 00 welcome: ``course_map``, ``doctor``, ``hardware``, ``launch``
 * 01 ranks and collectives: ``launch``, ``comm.collectives``, ``viz.collectives``, ``viz.widgets``, ``exercises.ex01``
 * 02 all-reduce from scratch: ``comm.allreduce``, ``comm.costmodel``, ``viz``, ``exercises.ex02``
-* 03 data parallelism: ``data_parallel`` (``mini_ddp``, ``training``, ``ddp_features``, ``measure``),
-  ``viz.training``, ``exercises.ex03``
-* 04 DDP with NCCL and torchrun: ``recipes.train_ddp``, ``launch.commands``, ``data_parallel.measure``,
-  ``comm.costmodel``
-* 05 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex06``
-* 06 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
+* 03 data parallelism from scratch: ``data_parallel`` (``mini_ddp``, ``training``, ``measure``), ``viz.training``,
+  ``exercises.ex03``
+* 04 DDP in practice: ``data_parallel`` (``ddp_features``, ``training``), ``parallelism``, ``exercises.ex04``
+* 05 DDP with NCCL and torchrun: ``recipes.train_ddp``, ``launch.commands``, ``data_parallel.measure``,
+  ``comm.costmodel``, ``exercises.ex05``
+* 06 model parallelism: ``memory``, ``model_parallel``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex06``
+* 07 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex07``
-* 07 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``
-* 08 sharded data parallelism: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``,
-  ``fsdp2``), ``models.tiny_lm``, ``memory``, ``comm.record`` (``CollectiveLog``), ``viz.sharding``,
-  ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
-* 09 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``sequence``, ``random``,
-  ``dtensor``, ``comm``, ``cost``, ``check``, ``training``), ``models.transformer``, ``memory.saved``,
-  ``memory.activations`` (``split_block_worker``), ``comm.record``,
-  ``viz.tensor_parallel``, ``exercises.ex11``
-* 10 memory and precision: ``memory`` (``activations``, ``saved``, ``recompute``, ``accumulation``, ``planner``,
-  ``verify``), ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``viz.widgets``
-  (``LayoutPlanner``), ``exercises.ex13``
+* 08 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``, ``exercises.ex08``
+* 09 ZeRO from scratch: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``),
+  ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
+* 10 FSDP2 and distributed checkpoints: ``zero.fsdp2``, ``zero.training``, ``comm.record`` (``CollectiveLog``),
+  ``comm.costmodel``
+* 11 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``comm``, ``cost``, ``check``),
+  ``models.transformer``, ``comm.record``, ``viz.tensor_parallel``, ``exercises.ex11``
+* 12 sequence parallelism, DTensor and 2-D meshes: ``tensor_parallel`` (``sequence``, ``random``, ``dtensor``,
+  ``training``), ``memory.saved``, ``memory.activations`` (``split_block_worker``), ``comm.record``
+* 13 activation memory: ``memory`` (``activations``, ``saved``, ``recompute``), ``exercises.ex13``
+* 14 mixed precision: ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``memory``
+  (``accumulation``, ``planner``, ``verify``), ``viz.widgets`` (``LayoutPlanner``)
 """
 __version__ = "0.2.0"

@@ -51,7 +51,7 @@ NOTEBOOKS: list[Notebook] = [
              125, 210),
     Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
              "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
-             "full", 30, 80, 110),
+             "full", 20, 80, 110),
     Notebook("04_ddp_in_practice.ipynb", "DDP in practice",
              "buffers and unused parameters; BatchNorm over all ranks; no_sync; Join; logging; checkpoints; "
              "scaling and the learning rate", 0, "full", 30, 70, 100),
@@ -74,16 +74,16 @@ NOTEBOOKS: list[Notebook] = [
              "loaded on 2; when sharding pays", 0, "full", 40, 70, 100),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
-             "block; communication per block", 0, "full", 40, 80, 110),
+             "block; communication per block", 0, "full", 40, 85, 150),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
              "a 2×2 mesh with FSDP2", 0, "full", 65, 80, 110),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
-             "saved activations counted and derived; recomputation under a budget (you choose it)", 0, "full",
-             20, 60, 85),
+             "saved activations counted and derived; recomputation under a budget (you choose it)", 1, "partial",
+             15, 75, 100),
     Notebook("14_mixed_precision.ipynb", "Mixed precision",
              "fp32/bf16/fp16; loss scaling; bf16 on the wire; gradient accumulation; a layout calculator", 2,
-             "partial", 20, 60, 85),
+             "partial", 20, 85, 120),
 ]
 
 

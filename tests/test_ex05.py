@@ -23,12 +23,12 @@ def test_the_reference_passes_and_the_stub_is_not_attempted(tmp_path):
     assert ex05.check_web_script(tmp_path / "missing.py").status == WRONG
 
 
-def test_each_seed_bug_is_named(tmp_path):
+def test_each_bug_of_the_web_script_is_named(tmp_path):
     init = 'dist.init_process_group(backend="gloo", init_method="env://")'
     set_device = "ex05.set_device(device)                                  # before init_process_group"
     cases = {
         "global rank as device": (('os.environ["LOCAL_RANK"]', 'os.environ["RANK"]'), "LOCAL rank"),
-        "set_device after init": ((f"{set_device}\n{init}", f"{init}\nex04.set_device(device)"),
+        "set_device after init": ((f"{set_device}\n{init}", f"{init}\nex05.set_device(device)"),
                                   "BEFORE init_process_group"),
         "never destroyed": (("finally:\n    dist.destroy_process_group()", "finally:\n    pass"), "still initialised"),
         "lr not scaled": (("lr = ex05.BASE_LR * dist.get_world_size()", "lr = ex05.BASE_LR"),

@@ -178,7 +178,7 @@ def layout_state(preset: str, seq: int, batch: int, gpus: int, gib_per_gpu: floa
 
 
 class LayoutPlanner(Explorer):
-    """The capstone calculator (notebook 13): a model, a sequence length, a micro-batch per GPU, a number of GPUs
+    """The capstone calculator (notebook 14): a model, a sequence length, a micro-batch per GPU, a number of GPUs
     and their memory in; which layouts fit, at what memory, traffic and extra compute, out."""
 
     def __init__(self, preset: str = "6.7 B (32 x 4096)", seq: int = 2048, batch: int = 1, gpus: int = 8,
