@@ -67,17 +67,17 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
-             "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; bytes held and "
-             "sent per rank", 0, "full", 45, 80, 110),
+             "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; every stage "
+             "equal to one process", 0, "full", 20, 85, 105),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
-             "FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; sharded checkpoints (DCP) saved on 4 ranks, "
-             "loaded on 2; when sharding pays", 0, "full", 40, 70, 100),
+             "bytes held and sent per rank, measured; FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; "
+             "sharded checkpoints (DCP) saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 20, 80, 155),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
              "block; communication per block", 0, "full", 40, 85, 150),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
-             "a 2×2 mesh with FSDP2", 0, "full", 65, 80, 110),
+             "a 2×2 mesh with FSDP2", 0, "full", 65, 85, 130),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
              "saved activations counted and derived; recomputation under a budget (you choose it)", 1, "partial",
              15, 75, 100),

@@ -1,4 +1,4 @@
-"""Training loops for notebook 03: one process, and N ranks kept in step four different ways.
+"""Training loops for notebooks 03 and 04: one process, and N ranks kept in step four different ways.
 
 :func:`train_worker` is the data-parallel loop every rank runs: a ``DistributedSampler`` gives each rank
 its shard; ``set_epoch`` reshuffles it every epoch; after ``backward()`` the gradients are synchronised
