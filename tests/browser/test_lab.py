@@ -80,7 +80,9 @@ def test_reopened_widgets_are_explained_once_in_notebook_00_and_the_readme():
     """A reopened notebook shows "Error displaying widget: model not found": notebook 00's "How to use this course"
     and README's troubleshooting say why and what to do; the notebooks that draw widgets do not repeat it."""
     welcome = nbformat.read(ROOT / "notebooks" / "00_welcome.ipynb", as_version=4).cells
-    howto = next(c.source for c in welcome if c.source.startswith("## How to use this course"))
+    start = next(i for i, c in enumerate(welcome) if c.source.startswith("## How to use this course"))
+    end = next(i for i in range(start + 1, len(welcome)) if welcome[i].source.startswith("## "))
+    howto = "\n".join(c.source for c in welcome[start:end])
     assert "model not found" in howto and "run its cell again" in howto
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "model not found" in readme and "Run its cell again" in readme
