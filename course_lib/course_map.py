@@ -43,41 +43,41 @@ class Notebook:
 
 NOTEBOOKS: list[Notebook] = [
     Notebook("00_welcome.ipynb", "Welcome and your machine",
-             "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 25, 35),
+             "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 30, 45),
     Notebook("01_ranks_and_collectives.ipynb", "Ranks and collectives on the CPU (Gloo)",
              "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 85, 125),
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
              "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25,
-             125, 210),
+             125, 230),
     Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
              "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
-             "full", 20, 80, 110),
+             "full", 20, 80, 120),
     Notebook("04_ddp_in_practice.ipynb", "DDP in practice",
              "buffers and unused parameters; BatchNorm over all ranks; no_sync; Join; logging; checkpoints; "
-             "scaling and the learning rate", 0, "full", 30, 70, 100),
+             "scaling and the learning rate", 0, "full", 30, 85, 160),
     Notebook("05_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
              "a typical DDP script from the web, fixed; torchrun; resume; multi-node and SLURM; NCCL variables; "
-             "bf16; bus bandwidth", 2, "partial", 55, 115, 140),
+             "bf16; bus bandwidth", 2, "partial", 55, 110, 135),
     Notebook("06_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
              "partial", 10, 70, 90),
     Notebook("07_pipeline_schedules.ipynb", "Pipeline schedules",
              "stages as processes; GPipe and 1F1B (you write it); the bubble, measured; torch.distributed.pipelining, "
-             "interleaved 1F1B", 0, "full", 40, 115, 170),
+             "interleaved 1F1B", 0, "full", 40, 125, 180),
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
              "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; every stage "
-             "equal to one process", 0, "full", 20, 85, 105),
+             "equal to one process", 0, "full", 20, 80, 105),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
              "bytes held and sent per rank, measured; FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; "
-             "sharded checkpoints (DCP) saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 20, 80, 155),
+             "sharded checkpoints (DCP) saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 20, 75, 155),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
              "block; communication per block", 0, "full", 40, 85, 150),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
-             "a 2×2 mesh with FSDP2", 0, "full", 65, 85, 130),
+             "a 2×2 mesh with FSDP2", 0, "full", 65, 85, 160),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
              "saved activations counted and derived; recomputation under a budget (you choose it)", 1, "partial",
              15, 75, 100),
