@@ -115,3 +115,11 @@ def test_the_map_links_each_notebook_to_the_ones_before_and_after_and_times_ever
     welcome = nbformat.read(ROOT / "notebooks" / "00_welcome.ipynb", as_version=4).cells
     assert any(c.source.startswith("## The course map") for c in welcome)  # the anchor every nav line links to
     assert course_map.write_frames(ROOT / "notebooks", write=False) == [], "run: python -m course_lib map --frames"
+
+
+def test_the_instructors_plan_quotes_the_maps_learner_times():
+    plan = (ROOT / "notebooks" / "INSTRUCTORS.md").read_text(encoding="utf-8")
+    core = {nb.number: nb.core_min for nb in course_map.NOTEBOOKS}
+    quoted = re.findall(r"\b(\d\d)(?: · [^(|]*?)? \((?:[^()|]*?, )?(\d+) min", plan)
+    assert len(quoted) >= len(core) - 1
+    assert [(n, int(m)) for n, m in quoted if core[n] != int(m)] == [], "copy the times from the course map"
