@@ -407,7 +407,7 @@ def test_korthikanti_activation_formulas():
 def test_the_cost_model_counts_what_the_layers_send_and_prices_nodes_with_two_levels():
     from course_lib.comm import costmodel
     from course_lib.tensor_parallel import cost
-    # what section 4 of the notebook counts on real ranks, in bf16 at GPT-3 size
+    # what section 4 of notebook 11 counts on real ranks, in bf16 at GPT-3 size
     assert cost.layer_collectives(1, 2048, 12288) == [("all-reduce", 2048 * 12288 * 2, p)
                                                       for p in ("forward", "forward", "backward", "backward")]
     # forward: 2 FLOPs per multiply-add, 4h² (q, k, v, out) + 8h² (MLP) per token, 4·s·h for the attention

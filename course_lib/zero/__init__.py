@@ -10,7 +10,7 @@ rank 1/N of them instead, and moves the rest over the network when it is needed:
 * :mod:`.stage3`: stage 3, :func:`fully_shard` (parameters too, gathered one layer at a time by
   forward and backward hooks), the way PyTorch's FSDP2 does it.
 * :mod:`.api`: :func:`shard` (any stage in one call), :func:`full_state_dict`, :func:`rank_bytes`.
-* :mod:`.measure`: the workers the notebook and ``benchmarks/zero_vs_fsdp.py`` run (training, memory,
+* :mod:`.measure`: the workers notebooks 09 and 10 and ``benchmarks/zero_vs_fsdp.py`` run (training, memory,
   traffic, step time); :mod:`.fsdp2`: the same with PyTorch's FSDP2, and sharded checkpoints (DCP), notebook 10.
 """
 from .api import STAGES, full_state_dict, rank_bytes, shard
