@@ -41,9 +41,9 @@ Notebook → the modules it shows and uses:
 * 07 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex07``
 * 08 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``, ``exercises.ex08``
-* 09 ZeRO from scratch: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``),
-  ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
-* 10 FSDP2 and distributed checkpoints: ``zero.fsdp2``, ``zero.training``, ``comm.record`` (``CollectiveLog``),
+* 09 ZeRO from scratch: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``), ``models.tiny_lm``,
+  ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
+* 10 FSDP2 and distributed checkpoints: ``zero`` (``measure``, ``flat``, ``fsdp2``, ``training``), ``memory``,
   ``comm.costmodel``
 * 11 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``comm``, ``cost``, ``check``),
   ``models.transformer``, ``comm.record``, ``viz.tensor_parallel``, ``exercises.ex11``

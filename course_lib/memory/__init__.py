@@ -1,4 +1,4 @@
-"""How much memory training needs, predicted and measured (notebooks 06, 09, 12, 13 and 14).
+"""How much memory training needs, predicted and measured (notebooks 06, 09, 10, 12, 13 and 14).
 
 * :mod:`.arithmetic`: bytes of weights, gradients, optimizer states and activations per parameter, and
   what a model and its optimizer really hold.
