@@ -9,6 +9,7 @@ the current folder or one above it, or ``$COURSE_NOTEBOOKS``) and :func:`searche
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,7 @@ def nav_line(nb: Notebook) -> str:
     """The links every notebook's first cell carries: the one before, the map, the glossary, the one after."""
     before, after = neighbours(nb)
     parts = [f"[← {before.number} · {before.title}]({before.file})"] if before else []
-    parts += ["[course map](00_welcome.ipynb#The-course-map)", "[glossary](glossary.md)"]
+    parts += [f"[course map]({FIRST}#The-course-map)", "[glossary](glossary.md)"]
     parts += [f"[{after.number} · {after.title} →]({after.file})"] if after else []
     return " · ".join(parts)
 
@@ -112,7 +113,6 @@ def write_frames(folder: Path | None = None, write: bool = True) -> list[str]:
     """Put :func:`nav_line` under each notebook's title and :func:`time_line` at the end of its first cell,
     replacing the ones there (``python -m course_lib map --frames``; a test keeps them current).
     Returns the files it changed (with ``write=False``: the files it would change, changing none)."""
-    import json
     folder = folder or notebook_dir()
     changed = []
     for nb in NOTEBOOKS:
