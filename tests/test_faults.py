@@ -70,8 +70,10 @@ def test_kills_during_saves_never_corrupt_an_atomic_checkpoint(tmp_path):
 def test_kills_during_in_place_saves_do_corrupt(tmp_path):
     results = faults.kill_during_saves(str(tmp_path / "in_place.pt"), atomic=False, kills=3, mib=32, seed=3)
     assert any(not r["loadable"] for r in results), results
-    # a loadable file is only ever the save the kill interrupted, finished before a late kill (a busy machine)
-    assert all(not r["loadable"] or r["step"] == r["killed_while_saving"] for r in results), results
+    # a loadable file means the kill missed the write on a busy machine: it came before the write began (the previous
+    # step survives; seen once in 48 kills with one core busy) or after it ended (the step being saved)
+    assert all(not r["loadable"] or r["step"] in (r["killed_while_saving"] - 1, r["killed_while_saving"])
+               for r in results), results
 
 
 def test_weights_only_refuses_a_pickle_that_runs_code(tmp_path, capsys):
