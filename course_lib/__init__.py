@@ -17,6 +17,8 @@ The layers, each using only itself and those above it (``tests/test_house.py`` c
 ``zero/``                     sharded data parallelism: ZeRO-1/2/3 from scratch, FSDP2 and DCP workers
 ``tensor_parallel/``          each layer's matrices split across ranks: f and g, column/row-parallel layers, split
                               blocks, sequence parallelism, DTensor plans, the 2-D mesh
+``context_parallel/``         attention over a sequence split across ranks (ring, zig-zag, all-gather, Ulysses)
+``expert_parallel/``          mixture-of-experts layers whose experts live on different ranks (all-to-all)
 ``memory/``                   the bytes training needs, predicted and measured: activations, recomputation,
                               accumulation, the layout calculator
 ``precision/``                number formats, mixed precision, loss scaling, precision on the wire
@@ -52,5 +54,8 @@ Notebook → the modules it shows and uses:
 * 13 activation memory: ``memory`` (``activations``, ``saved``, ``recompute``), ``exercises.ex13``
 * 14 mixed precision: ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``memory``
   (``accumulation``, ``planner``, ``verify``), ``viz.widgets`` (``LayoutPlanner``)
+* 15 context parallelism: ``context_parallel`` (``blocks``, ``ring``, ``allgather``, ``ulysses``, ``traffic``),
+  ``viz.context``, ``exercises.ex15``
+* 16 expert parallelism: ``expert_parallel``, ``viz.experts``, ``exercises.ex16``
 """
 __version__ = "0.2.0"
