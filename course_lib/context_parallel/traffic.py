@@ -1,14 +1,14 @@
 """What each way of splitting attention over the sequence sends and holds, per rank, in one forward pass.
 
-For a batch b, H heads of dimension d, a sequence of s tokens on W ranks (s/W each), and e bytes an element, one
-rank's keys and values are ``kv = 2·b·H·(s/W)·d·e`` bytes:
+For a batch b, H heads of dimension d (H_kv of them for keys and values), a sequence of s tokens on W ranks (s/W
+each), and e bytes an element, one rank's keys and values are ``kv = 2·b·H_kv·(s/W)·d·e`` bytes:
 
 ==============  ============================  =============================  =================================
 variant         sends (forward)               holds of K and V at once       limit
 ==============  ============================  =============================  =================================
 ring            (W−1)·kv, overlapped           2·kv (the block, the next)     none on W
 all-gather K/V  (W−1)·kv, before attention     W·kv (the whole sequence)      memory: all of K and V a rank
-Ulysses         2·(W−1)/W·kv (q, k, v, out)    kv (all positions, H/W heads)  W divides the (key/value) heads
+Ulysses         (W−1)/W of q, k, v and out     kv (all positions, H/W heads)  W divides the (key/value) heads
 ==============  ============================  =============================  =================================
 
 The backward pass sends about twice the forward's (the ring passes the keys and values again, with their
@@ -20,20 +20,24 @@ VARIANTS = ("ring", "all-gather", "ulysses")
 
 
 def forward_bytes(variant: str, batch: int, heads: int, seq: int, head_dim: int, world_size: int,
-                  element_bytes: int = 4) -> dict:
-    """``{"sent": bytes a rank sends, "kv_held": bytes of keys and values it holds at once}`` in the forward."""
+                  element_bytes: int = 4, kv_heads: int | None = None) -> dict:
+    """``{"sent": bytes a rank sends, "kv_held": bytes of keys and values it holds at once}`` in the forward.
+
+    ``kv_heads``: the key/value heads under grouped-query attention (default: ``heads``, plain multi-head)."""
     if seq % world_size:
         raise ValueError(f"a sequence of {seq} does not split over {world_size} ranks")
-    one = batch * heads * (seq // world_size) * head_dim * element_bytes     # one tensor, this rank's part
-    w = world_size
+    kv_heads = heads if kv_heads is None else kv_heads
+    one = batch * (seq // world_size) * head_dim * element_bytes     # one head of this rank's part
+    q, kv, w = heads * one, 2 * kv_heads * one, world_size            # queries (and the output); keys + values
     if variant == "ring":
-        return {"sent": (w - 1) * 2 * one, "kv_held": 2 * 2 * one if w > 1 else 2 * one}
+        return {"sent": (w - 1) * kv, "kv_held": 2 * kv if w > 1 else kv}
     if variant == "all-gather":
-        return {"sent": (w - 1) * 2 * one, "kv_held": w * 2 * one}
+        return {"sent": (w - 1) * kv, "kv_held": w * kv}
     if variant == "ulysses":
-        if heads % w:
-            raise ValueError(f"Ulysses needs the world size to divide the heads: {heads} heads, {w} ranks")
-        return {"sent": 4 * one * (w - 1) // w, "kv_held": 2 * one}
+        if kv_heads % w:
+            raise ValueError(f"Ulysses needs the world size to divide the heads: {kv_heads} (key/value) heads, "
+                             f"{w} ranks")
+        return {"sent": (2 * q + kv) * (w - 1) // w, "kv_held": kv}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
