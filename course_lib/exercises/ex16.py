@@ -1,0 +1,185 @@
+"""Notebook 16's exercise: write the dispatch and combine of an expert-parallel mixture of experts.
+
+The learner writes ``fn(x, expert, gate, num_experts, local_experts, group=None)``: ``x`` holds this rank's
+token-slots (one row each), ``expert[i]`` the global expert slot ``i`` goes to, ``gate[i]`` its weight. Rank ``r``
+owns experts ``r·E/W .. (r+1)·E/W − 1``; ``local_experts(tokens, local)`` runs them. ``fn`` returns
+``gate[i] · expert_{expert[i]}(x[i])`` in ``x``'s order, with gradients to ``x``, ``gate`` and the experts.
+
+The check runs it twice on 2 and 4 ranks (different slot counts per rank, uneven routing, one rank that receives
+nothing):
+
+1. a probe whose expert ``e`` multiplies its rows by a weight that starts at ``e + 1``: from each output row it
+   reads which expert computed it, so a slot sent to the wrong rank, a result in the wrong place or a missing
+   gate is named; every ``all_to_all_single`` goes through :class:`~course_lib.expert_parallel.AllToAllLog`
+   (``check=True``), which names split sizes that do not match;
+2. in use: ``fn`` inside :class:`~course_lib.expert_parallel.MoE` against the one-process reference (outputs and
+   gradients, :func:`~course_lib.expert_parallel.check.compare_worker`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..expert_parallel import AllToAllLog
+from ..expert_parallel.check import compare_worker
+from ..expert_parallel.dispatch import dispatch_combine as reference  # noqa: F401 (the reference solution)
+from . import passed, run_attempt, wrong
+
+CASES = {2: [5, 8], 4: [6, 3, 9, 4]}   # slots per rank
+DIM = 3
+
+
+class ProbeExperts(nn.Module):
+    """This rank's experts; expert ``e`` multiplies its rows by ``scale[e]``, which starts at ``e + 1``."""
+
+    def __init__(self, first: int, count: int, num_experts: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.arange(first + 1, first + count + 1, dtype=torch.float64))
+        self.first, self.num_experts = first, num_experts
+
+    def forward(self, tokens, local):
+        return tokens * self.scale[local].unsqueeze(1)
+
+
+def probe_inputs(rank: int, world_size: int):
+    """Rank ``rank``'s slots: routed unevenly, each rank sending to another; on 4 ranks the last receives nothing."""
+    num_experts, per_rank = 2 * world_size, 2
+    g = torch.Generator().manual_seed(40 + rank)
+    n = CASES[world_size][rank]
+    x = torch.randn(n, DIM, generator=g, dtype=torch.float64)
+    weights = torch.tensor([4.0, 1.0, 2.0, 1.0] if world_size == 2 else [4.0, 1.0, 2.0, 2.0, 1.0, 2.0, 0.0, 0.0])
+    expert = torch.multinomial(weights, n, replacement=True, generator=g)   # expert 0 the busiest
+    receivers = world_size if world_size == 2 else world_size - 1
+    expert[0] = ((rank + 1) % receivers) * per_rank + 1                     # to another rank, its 2nd expert
+    expert[1] = 1
+    gate = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    return num_experts, x, expert, gate
+
+
+def probe(rank, world_size, fn):
+    """Worker: the learner's output and gradients, what they should be, and the all-to-alls it ran."""
+    import torch.distributed as dist
+    num_experts, x, expert, gate = probe_inputs(rank, world_size)
+    per_rank = num_experts // world_size
+    experts = ProbeExperts(rank * per_rank, per_rank, num_experts)
+    x_in, gate_in = x.clone().requires_grad_(), gate.clone().requires_grad_()
+    with AllToAllLog(check=True) as log:
+        out = fn(x_in, expert, gate_in, num_experts, experts)
+        if not isinstance(out, torch.Tensor):
+            return {"type": type(out).__name__}
+        w = torch.linspace(1, 2, out.numel(), dtype=torch.float64).view(out.shape) if out.dim() else None
+        if out.requires_grad and w is not None:
+            with log.during("backward"):
+                (out * w).sum().backward()
+    scale = torch.arange(1, num_experts + 1, dtype=torch.float64).requires_grad_()     # the reference's experts
+    x_ref, gate_ref = x.clone().requires_grad_(), gate.clone().requires_grad_()
+    expected = gate_ref.unsqueeze(1) * x_ref * scale[expert].unsqueeze(1)
+    if w is not None and w.shape == expected.shape:
+        (expected * w).sum().backward()
+    dist.all_reduce(scale.grad)
+    own = slice(rank * per_rank, (rank + 1) * per_rank)
+    return {"type": "Tensor", "out": out.detach(), "expected": expected.detach(), "x": x, "gate": gate,
+            "expert": expert, "rank": rank, "per_rank": per_rank,
+            "grads": [None if t.grad is None else t.grad.clone() for t in (x_in, gate_in, experts.scale)],
+            "expected grads": [x_ref.grad, gate_ref.grad, scale.grad[own]],
+            "splits given": [c.splits_given for c in log.calls if c.dtype.is_floating_point]}
+
+
+def in_an_moe(rank, world_size, fn):
+    """Worker: ``fn`` as the dispatch of an expert-parallel MoE, against the one-process layer (some slots dropped)."""
+    return compare_worker(rank, world_size, [4, 11, 7, 2][:world_size], {"num_experts": 2 * world_size}, fn)
+
+
+def _close(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _computed_by(r: dict) -> torch.Tensor | None:
+    """Which expert computed each output row, read from the probe's scales (``None`` where it cannot be read)."""
+    ratio = r["out"] / (r["gate"].unsqueeze(1) * r["x"])
+    e = ratio.mean(1).round() - 1
+    consistent = torch.allclose(ratio, (e + 1).unsqueeze(1).expand_as(ratio), rtol=1e-9)
+    return e.long() if consistent else None
+
+
+def _source_rows(out, x) -> torch.Tensor | None:
+    """For each output row, the row of ``x`` it is a multiple of (``None`` if some row is none's multiple)."""
+    unit = lambda t: t / t.norm(dim=1, keepdim=True).clamp_min(1e-300)   # noqa: E731
+    cos = (unit(out) @ unit(x).T).abs()
+    best = cos.max(1)
+    return best.indices if bool((best.values > 1 - 1e-9).all()) else None
+
+
+def _diagnose(results: list[dict], n: int) -> str | None:
+    where = f"on {n} ranks"
+    if results[0]["type"] != "Tensor":
+        return f"{where}: your function returned a {results[0]['type']}, not a tensor: return the combined rows"
+    for r in results:
+        if r["out"].shape != r["expected"].shape:
+            return (f"{where}: rank {r['rank']} returned shape {tuple(r['out'].shape)}, expected "
+                    f"{tuple(r['expected'].shape)}: one row per slot of x, in x's order")
+    if any(not all(r["splits given"]) for r in results):
+        return (f"{where}: the tokens went without split sizes (all_to_all_single's equal split): the ranks send "
+                "different numbers of rows to each other. Exchange the counts first, then pass "
+                "output_split_sizes and input_split_sizes")
+    misrouted = []   # (rank, slot, expert asked, expert that computed it)
+    for r in results:
+        if _close(r["out"], r["expected"]):
+            continue
+        i = r["rank"]
+        if _close(r["out"] * r["gate"].unsqueeze(1), r["expected"]):
+            return (f"{where}: the output is not weighted by the gates: each slot's result is "
+                    "gate[i] · expert(x[i]); multiply the combined rows by gate.unsqueeze(1)")
+        rows = _source_rows(r["out"], r["x"])
+        if rows is not None and bool((rows != torch.arange(len(rows))).any()):
+            return (f"{where}: the results come back in the wrong order on rank {i}: the combine returns them in the "
+                    "order they were sent (sorted by expert); put the row sent j-th back at position order[j]")
+        by = _computed_by(r)
+        if by is None:
+            return (f"{where}: rank {i}'s output differs from gate · expert(x): row 0 is {r['out'][0].tolist()}, "
+                    f"expected {r['expected'][0].tolist()}")
+        misrouted += [(i, j, int(r["expert"][j]), int(by[j]), r["per_rank"]) for j in range(len(by))
+                      if by[j] != r["expert"][j]]
+    if misrouted:
+        i, j, asked, got, per_rank = misrouted[0]
+        if all(got // per == rank for rank, _, _, got, per in misrouted):
+            return (f"{where}: rank {i} computed slots for other ranks' experts itself (it sent them to itself): "
+                    f"slot {j}, for expert {asked}, was computed by its own expert {got}. Expert e lives on rank "
+                    "e // (num_experts // world_size): the rows must travel there by the all-to-all")
+        return (f"{where}: slots reached the wrong rank: on rank {i}, slot {j} for expert {asked} (on rank "
+                f"{asked // per_rank}) was computed by expert {got} (on rank {got // per_rank}). all_to_all_single "
+                "sends the first input_split_sizes[0] rows to rank 0, the next ones to rank 1...: sort the rows by "
+                "expert and count them per destination rank")
+    for r in results:
+        got, expected = r["grads"], r["expected grads"]
+        for name, g, e in zip(("x", "the gates", "the experts' weights"), got, expected):
+            if g is None or not _close(g, e):
+                state = "no gradient reached" if g is None or not g.abs().sum() else "a wrong gradient reached"
+                return (f"{where}: the output is right, but {state} {name} on rank {r['rank']}: the rows must travel "
+                        "through a differentiable all-to-all (course_lib.expert_parallel.all_to_all, or your own "
+                        "autograd.Function whose backward is the reverse all-to-all), not a plain "
+                        "dist.all_to_all_single into a buffer, and nothing detached")
+    return None
+
+
+def check_dispatch_combine(fn):
+    """``fn(x, expert, gate, num_experts, local_experts, group=None)``, on 2 and 4 ranks, alone and in an MoE."""
+    hint = ("A rank waits in an all-to-all that another rank never calls: every rank must call the same "
+            "all-to-alls, in the same order, even a rank with nothing to send.")
+    for n in CASES:
+        results, feedback = run_attempt(probe, n, fn, timeout=30, timeout_hint=hint)
+        if feedback is not None:
+            return feedback
+        message = _diagnose(results, n)
+        if message:
+            return wrong(message)
+        results, feedback = run_attempt(in_an_moe, n, fn, timeout=30, timeout_hint=hint)
+        if feedback is not None:
+            return feedback
+        worst = max(max(r[k] for k in ("output", "input grad", "router grad", "expert grads")) for r in results)
+        if worst > 1e-9:
+            return wrong(f"on {n} ranks, your function passes the probe but, inside an MoE layer, outputs or "
+                         f"gradients differ from the one-process layer by up to {worst:.2g}")
+    return passed("your dispatch and combine send every slot to its expert's rank and back, in order and weighted "
+                  "by its gate, with gradients to the tokens, the gates and the experts; inside an MoE layer they "
+                  "give the one-process layer's outputs and gradients, on 2 and 4 ranks")

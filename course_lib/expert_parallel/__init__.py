@@ -1,0 +1,20 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts live on different ranks (notebook 16).
+
+* :mod:`.routing`: the router's top-k choice, capacity and dropped slots, the load-balancing loss.
+* :mod:`.experts`: the experts (small MLPs), each rank's block of them, built the same from one seed.
+* :mod:`.alltoall`: a differentiable ``all_to_all_single``; :class:`AllToAllLog`, the all-to-alls that ran.
+* :mod:`.dispatch`: dispatch and combine, the algorithm: tokens to their experts' ranks and back.
+* :mod:`.moe`: :class:`MoE`, the one-process reference or, given a group, expert-parallel.
+* :mod:`.check`: workers that prove the expert-parallel layer equals the reference, alone and with data
+  parallelism; the bytes an all-to-all moves.
+"""
+from . import alltoall, check, dispatch, experts, moe, routing
+from .alltoall import AllToAll, AllToAllLog, all_to_all
+from .dispatch import dispatch_combine
+from .experts import LocalExperts
+from .moe import MoE, owned_block
+from .routing import balance_loss, capacity, imbalance, route
+
+__all__ = ["MoE", "owned_block", "LocalExperts", "dispatch_combine", "AllToAll", "all_to_all", "AllToAllLog",
+           "route", "capacity", "balance_loss", "imbalance", "alltoall", "check", "dispatch", "experts", "moe",
+           "routing"]
