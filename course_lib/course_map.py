@@ -85,6 +85,12 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("14_mixed_precision.ipynb", "Mixed precision",
              "fp32/bf16/fp16; loss scaling; bf16 on the wire; gradient accumulation; a layout calculator", 2,
              "partial", 20, 85, 120),
+    Notebook("15_context_parallel.ipynb", "Context parallelism",
+             "one sequence over many ranks: the log-sum-exp merge; ring attention; zig-zag; all-gather K/V; Ulysses",
+             0, "full", 20, 80, 110),
+    Notebook("16_expert_parallel.ipynb", "Expert parallelism (mixture of experts)",
+             "routers, top-k and capacity; experts over ranks; all-to-all dispatch and combine; load balance",
+             0, "full", 20, 80, 110),
 ]
 
 

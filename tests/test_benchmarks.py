@@ -32,3 +32,10 @@ def test_ddp_overhead_benchmark_says_it_needs_a_gpu():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ddp_overhead_gpu.py")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stdout
+
+
+def test_context_parallel_worker_times_both_variants_and_the_ring_holds_half_the_keys():
+    bench = load("context_parallel")
+    times, held = run(bench.worker, 4, 64, 2, 8, 1, 1, backend="gloo", show_output=False)[0]
+    assert set(times) == set(held) == {"ring", "all-gather K/V"} and all(t > 0 for t in times.values())
+    assert held["ring"] * 2 == held["all-gather K/V"]        # two blocks of four against the whole sequence

@@ -116,3 +116,7 @@ def wrong_shapes(rank, world_size, what):
 def test_variants_refuse_what_they_cannot_split_with_a_clear_error_on_every_rank(what, message):
     with pytest.raises(RankError, match=message):
         run(wrong_shapes, 2, what, backend="gloo", show_output=False, timeout=30)
+
+
+def test_notebook_15s_exercise_solution_states_the_formula_s_numbers():
+    assert traffic.causal_scores("zigzag", 6000, 3) == [6_001_000] * 3     # (2W - 1) c² + c (c + 1), c = 1000

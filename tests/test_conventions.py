@@ -13,7 +13,7 @@ import pytest
 from course_lib import course_map
 
 ROOT = Path(__file__).resolve().parent.parent
-STANDARD = ["00_welcome.ipynb"]
+STANDARD = ["00_welcome.ipynb", "15_context_parallel.ipynb", "16_expert_parallel.ipynb"]
 FOLDED = "<details><summary>"
 
 

@@ -69,7 +69,7 @@ def check_merge(fn) -> Feedback:
         try:
             got = fn(out_a, lse_a, out_b, lse_b)
         except NotImplementedError:
-            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this again")
+            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell again")
         if not (isinstance(got, tuple) and len(got) == 2):
             return wrong(f"return a pair (out, lse), got {type(got).__name__}")
         out, lse = got
