@@ -120,3 +120,18 @@ def test_variants_refuse_what_they_cannot_split_with_a_clear_error_on_every_rank
 
 def test_notebook_15s_exercise_solution_states_the_formula_s_numbers():
     assert traffic.causal_scores("zigzag", 6000, 3) == [6_001_000] * 3     # (2W - 1) c² + c (c + 1), c = 1000
+
+
+def test_the_pictures_draw_what_the_ring_and_the_layouts_do():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from course_lib.viz import context as cpviz
+    cells = [p for p in cpviz.draw_ring_steps(4, causal=True).axes[0].patches if isinstance(p, Rectangle)]
+    assert len(cells) == 16 and sum(bool(p.get_hatch()) for p in cells) == 6   # 3 + 2 + 1 + 0 future blocks skipped
+    bars = cpviz.draw_causal_work(4).axes[2].patches
+    zigzag = [b.get_height() for b in bars[4:]]
+    assert all(abs(h - 1) < 1e-9 for h in zigzag) and bars[3].get_height() > 1.7    # contiguous: the last rank 1.75x
+    plt.close("all")
