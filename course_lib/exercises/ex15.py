@@ -70,6 +70,10 @@ def check_merge(fn) -> Feedback:
             got = fn(out_a, lse_a, out_b, lse_b)
         except NotImplementedError:
             return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell again")
+        except RuntimeError as e:
+            hint = (" lse is (batch, heads, queries) and out (batch, heads, queries, head_dim): weigh out by "
+                    "exp(lse_a − lse).unsqueeze(-1)." if "size of tensor" in str(e) else "")
+            return wrong(f"your merge raised RuntimeError: {e}.{hint}")
         if not (isinstance(got, tuple) and len(got) == 2):
             return wrong(f"return a pair (out, lse), got {type(got).__name__}")
         out, lse = got
@@ -148,7 +152,8 @@ def ring_trial(rank, world_size, fn, *, causal):
     wrong_answers = {"own": ring(steps=1),
                      "not passed on": ring(actual=lambda step: rank if step == 0 else (rank - 1) % world_size)}
     if causal:
-        wrong_answers |= {"every block masked": ring(diagonal=lambda source: True),
+        wrong_answers |= {"own block unmasked": ring(diagonal=lambda source: False),
+                          "every block masked": ring(diagonal=lambda source: True),
                           "future kept": ring(keep=lambda source: True),
                           "no mask": ring(keep=lambda source: True, diagonal=lambda source: False),
                           "wrong way round": ring(label=lambda step: (rank + step) % world_size)}
@@ -158,6 +163,8 @@ def ring_trial(rank, world_size, fn, *, causal):
 
 
 MISTAKES = {
+    "own block unmasked": "the rank's own block (source == rank) was attended to without the causal triangle: pass "
+                          "diagonal=True (a bool) for it, so that query i sees only keys 0..i of its own block",
     "every block masked": "the causal triangle is applied to every block: only the block of the rank's own "
                           "positions (source == rank) needs it; earlier blocks are seen whole",
     "future kept": "blocks from ranks after this one (source > rank) are in the future under a causal mask: skip them",
