@@ -149,3 +149,19 @@ def mismatched_splits(rank, world_size):
 def test_the_log_names_splits_that_do_not_match_instead_of_aborting():
     with pytest.raises(RankError, match="split sizes do not match: rank 0 sends 1 rows to rank 0, which expects 2"):
         run(mismatched_splits, 2, backend="gloo", show_output=False)
+
+
+def test_the_pictures_show_what_they_are_given():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib.viz import experts as epviz
+    fig = epviz.draw_all_to_all([[3, 1], [0, 5]])
+    assert [t.get_text() for t in fig.axes[0].texts] == ["3", "1", "0", "5"]
+    fig2 = epviz.draw_moe_layer(4, 2)
+    texts = [t.get_text() for t in fig2.axes[0].texts]
+    assert "expert 3 (rank 1)" in texts and any("dispatch" in t for t in texts)
+    fig3 = epviz.draw_expert_load({"a": [4, 1, 2], "b": [2, 2, 3]}, cap=3)
+    assert len(fig3.axes) == 2 and len(fig3.axes[0].patches) == 3
+    plt.close("all")

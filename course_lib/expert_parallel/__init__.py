@@ -5,10 +5,11 @@
 * :mod:`.alltoall`: a differentiable ``all_to_all_single``; :class:`AllToAllLog`, the all-to-alls that ran.
 * :mod:`.dispatch`: dispatch and combine, the algorithm: tokens to their experts' ranks and back.
 * :mod:`.moe`: :class:`MoE`, the one-process reference or, given a group, expert-parallel.
+* :mod:`.balance`: the router trained with and without the load-balancing loss.
 * :mod:`.check`: workers that prove the expert-parallel layer equals the reference, alone and with data
   parallelism; the bytes an all-to-all moves.
 """
-from . import alltoall, check, dispatch, experts, moe, routing
+from . import alltoall, balance, check, dispatch, experts, moe, routing
 from .alltoall import AllToAll, AllToAllLog, all_to_all
 from .dispatch import dispatch_combine
 from .experts import LocalExperts
@@ -16,5 +17,5 @@ from .moe import MoE, owned_block
 from .routing import balance_loss, capacity, imbalance, route
 
 __all__ = ["MoE", "owned_block", "LocalExperts", "dispatch_combine", "AllToAll", "all_to_all", "AllToAllLog",
-           "route", "capacity", "balance_loss", "imbalance", "alltoall", "check", "dispatch", "experts", "moe",
-           "routing"]
+           "route", "capacity", "balance_loss", "imbalance", "alltoall", "balance", "check", "dispatch", "experts",
+           "moe", "routing"]
