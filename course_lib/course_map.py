@@ -87,7 +87,7 @@ NOTEBOOKS: list[Notebook] = [
              "partial", 20, 85, 120),
     Notebook("15_context_parallel.ipynb", "Context parallelism",
              "one sequence over many ranks: the log-sum-exp merge; ring attention; zig-zag; all-gather K/V; Ulysses",
-             0, "full", 20, 80, 110),
+             0, "full", 15, 80, 105),
     Notebook("16_expert_parallel.ipynb", "Expert parallelism (mixture of experts)",
              "routers, top-k and capacity; experts over ranks; all-to-all dispatch and combine; load balance",
              0, "full", 20, 80, 110),
