@@ -2,8 +2,9 @@
 
 Every rank gathers the whole sequence's keys and values, then attends with its own queries only. Simple, and any
 mask works (documents packed in one sequence, say); the cost is memory: each rank holds all of K and V. With
-grouped-query attention K and V are a fraction of the activations, which is why Llama 3 chose it. The backward
-pass sums each rank's gradient of the whole K and V and keeps this rank's part (a reduce-scatter).
+grouped-query attention K and V are a fraction of the activations, which is why Llama 3 chose it (with a
+zig-zag-like layout of two chunks a rank to even the causal work). The backward pass sums each rank's gradient of
+the whole K and V and keeps this rank's part: a reduce-scatter, sending as many bytes as the forward's gather.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..tensor_parallel.operators import group_rank_and_size
-from .blocks import check_layout, chunk_ids, nbytes, record, unshard
+from ..tensor_parallel.operators import _reduce_scatter_single, group_rank_and_size
+from .blocks import check_layout, chunk_ids, nbytes, record, shard, unshard
 
 
 class GatherSequence(torch.autograd.Function):
@@ -29,11 +30,12 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)          # Gloo has no reduce-scatter: all-reduce, keep our part
-        size = grad.shape[2] // (ctx.world_size * (2 if ctx.layout == "zigzag" else 1))
-        ours = [grad.narrow(2, c * size, size) for c in chunk_ids(ctx.layout, ctx.rank, ctx.world_size)]
-        return torch.cat(ours, dim=2), None, None
+        # every rank's gradient of the whole sequence, summed; each keeps its own part: a reduce-scatter
+        parts = torch.cat([shard(grad, 2, r, ctx.world_size, ctx.layout) for r in range(ctx.world_size)])
+        ours = torch.empty_like(parts.narrow(0, 0, grad.shape[0]))
+        _reduce_scatter_single(ours, parts.contiguous(), group=ctx.group)
+        record(sent=nbytes(ours) * (ctx.world_size - 1))
+        return ours, None, None
 
 
 def positions(layout: str, rank: int, world_size: int, s_local: int) -> torch.Tensor:

@@ -30,7 +30,11 @@ def block_attention(q, k, v, diagonal: bool = False):
 
     Shapes (batch, heads, queries, head_dim) and (batch, heads, keys, head_dim); ``lse`` is (batch, heads, queries).
     ``diagonal``: the block is the queries' own chunk under a causal mask (query i sees keys 0..i).
+
+    Computed in float32 at least (``out`` and ``lse`` come back in it): in bf16, a running merge would round at
+    every block, as flash attention's and PyTorch's ring attention do not.
     """
+    q, k, v = (t.to(accumulation_dtype(t)) for t in (q, k, v))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if diagonal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
@@ -38,10 +42,16 @@ def block_attention(q, k, v, diagonal: bool = False):
     return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; anything narrower is computed and accumulated in float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def merge(out_a, lse_a, out_b, lse_b):
     """Attention over the union of two blocks of keys, from the attention over each: ``(out, lse)``."""
     lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1), lse
+    lse_safe = torch.where(torch.isinf(lse), 0.0, lse)     # a row with no key in either block stays empty, not NaN
+    return out_a * torch.exp(lse_a - lse_safe).unsqueeze(-1) + out_b * torch.exp(lse_b - lse_safe).unsqueeze(-1), lse
 
 
 def check_layout(layout: str) -> None:

@@ -6,13 +6,19 @@ each), and e bytes an element, one rank's keys and values are ``kv = 2·b·H_kv�
 ==============  ============================  =============================  =================================
 variant         sends (forward)               holds of K and V at once       limit
 ==============  ============================  =============================  =================================
-ring            (W−1)·kv, overlapped           2·kv (the block, the next)     none on W
+ring            (W−1)·kv, overlapped           2·kv (the block, the next)     compute must hide each transfer
 all-gather K/V  (W−1)·kv, before attention     W·kv (the whole sequence)      memory: all of K and V a rank
-Ulysses         (W−1)/W of q, k, v and out     kv (all positions, H/W heads)  W divides the (key/value) heads
+Ulysses         (W−1)/W of q, k, v and out     kv (all positions, H/W heads)  W divides the query heads
 ==============  ============================  =============================  =================================
 
-The backward pass sends about twice the forward's (the ring passes the keys and values again, with their
-gradients; the all-gather's backward is a reduce-scatter of the same size; Ulysses' all-to-alls run in reverse).
+"Holds" counts the buffers each variant allocates; the rank's own K and V come on top in every variant. The ring
+hides a transfer only while a block's product (∝ (s/W)²) takes longer than its transfer (∝ s/W): s/W must stay
+large enough for the links. Under grouped-query attention, when W exceeds the key/value heads, implementations
+repeat those heads before the all-to-all (not modelled here).
+
+The backward pass: the ring sends its (W−1) blocks of K and V again plus W blocks of their gradients (in float32),
+(2W−1)/(W−1) times the forward's blocks; the all-gather's backward is a reduce-scatter, as many bytes as its
+forward; Ulysses' four all-to-alls run in reverse, as many bytes as its forward.
 """
 from __future__ import annotations
 
@@ -34,9 +40,9 @@ def forward_bytes(variant: str, batch: int, heads: int, seq: int, head_dim: int,
     if variant == "all-gather":
         return {"sent": (w - 1) * kv, "kv_held": w * kv}
     if variant == "ulysses":
-        if kv_heads % w:
-            raise ValueError(f"Ulysses needs the world size to divide the heads: {kv_heads} (key/value) heads, "
-                             f"{w} ranks")
+        if heads % w or kv_heads % w:
+            raise ValueError(f"Ulysses needs the world size to divide the heads: {heads} query heads and {kv_heads} "
+                             f"key/value heads on {w} ranks (repeating the key/value heads is not modelled here)")
         return {"sent": (2 * q + kv) * (w - 1) // w, "kv_held": kv}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 

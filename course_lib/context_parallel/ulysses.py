@@ -4,7 +4,8 @@ Each rank holds a part of the sequence for *all* heads. One all-to-all gives eac
 H/W of the heads; attention runs there as on one process (the heads are independent); a second all-to-all gives
 each rank its part of the sequence back, for all heads. Four all-to-alls forward (q, k, v, the output), each rank
 sending (W−1)/W of each tensor, whatever W: unlike the ring, its traffic per rank does not grow with the number of
-ranks. Its limit is the head count: W must divide it (with grouped-query attention, the key/value heads).
+ranks. Its limit is the head count: W must divide the query heads (with grouped-query attention, implementations
+repeat the key/value heads when there are fewer of them than ranks; this one takes plain multi-head attention).
 """
 from __future__ import annotations
 
