@@ -118,6 +118,14 @@ def _check_splits(output, input, ins, outs, group):
         raise ValueError("all_to_all_single was called without split sizes, so it cuts each rank's tensor into "
                          f"{world} equal parts, but the ranks hold {[rows for _, _, rows, _ in every]} rows: "
                          "exchange the counts first and pass output_split_sizes and input_split_sizes")
+    for r, (r_ins, r_outs, rows_in, rows_out) in enumerate(every):
+        for name, splits, rows, what in (("input", r_ins, rows_in, "sends"), ("output", r_outs, rows_out, "receives")):
+            if splits and sum(splits) != rows:
+                raise ValueError(f"rank {r}'s {name}_split_sizes {list(splits)} add up to {sum(splits)} rows, but its "
+                                 f"{name} tensor has {rows}: the {name} splits are the rows this rank {what}. Were the "
+                                 "two split lists swapped? all_to_all_single(out, x, output_split_sizes, "
+                                 "input_split_sizes) and ep.all_to_all(x, out_splits, in_splits) take the rows received "
+                                 "first, the rows sent second")
     for s, (s_ins, _, s_rows, _) in enumerate(every):
         for d, (_, d_outs, _, d_rows) in enumerate(every):
             sent = s_ins[d] if s_ins else s_rows // world

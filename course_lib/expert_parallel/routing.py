@@ -3,8 +3,10 @@
 A **router** is a linear layer that scores each token against each expert; a softmax turns the scores into
 probabilities. **Top-k routing** sends each token to its ``k`` most probable experts: the token then occupies ``k``
 **token-slots**, one per chosen expert. Each slot's output is weighted by its **gate**: here the router's
-probability itself, *not* renormalised over the top k (as in the Switch Transformer and GShard; Mixtral
-renormalises, a softmax over the top-k scores only).
+probability itself, *not* renormalised over the top k. That is the Switch Transformer's gate (top-1) applied to
+each of the k slots, and it differs from the published top-k layers: Mixtral renormalises (a softmax over the top-k
+scores only), GShard divides its top-2 gates g1, g2 by g1 + g2, and DeepSeek-V3 normalises its sigmoid affinities
+over the selected experts.
 
 **Capacity**: an expert takes at most ``ceil(capacity_factor · tokens · k / num_experts)`` slots, computed from
 the tokens *this rank* holds. Slots over capacity are **dropped**: they contribute zero (the token's other slot,
@@ -20,14 +22,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """The most token-slots one expert takes from a rank holding ``tokens`` tokens."""
-    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+    """The most token-slots one expert takes from a rank holding ``tokens`` tokens.
+
+    Computed exactly: the factor as the decimal it is written as (``Fraction(str(1.1)) == 11/10``), so that
+    ``capacity(100, 11, 1, 1.1)`` is 10, where the float product ``1.1 · 100 / 11`` rounds up to 11."""
+    return math.ceil(Fraction(str(capacity_factor)) * tokens * top_k / num_experts)
 
 
 @dataclass
@@ -67,6 +73,7 @@ def balance_loss(probs: torch.Tensor, load: torch.Tensor, top_k: int) -> torch.T
 
 
 def imbalance(load) -> float:
-    """The busiest expert's load over the mean load: 1 is perfect balance, ``num_experts`` is collapse."""
+    """The busiest expert's load over the mean load: 1 is perfect balance; with top-k routing, total collapse (every
+    token picks the same k experts) gives ``num_experts / k``, the most it can be."""
     load = torch.as_tensor(load, dtype=torch.float64)
     return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
