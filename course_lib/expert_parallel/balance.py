@@ -1,7 +1,8 @@
 """Load balance in training: the router learns with and without the load-balancing loss (one process).
 
-The tokens share a common direction (as real hidden states often do), so a random router already favours a few
-experts; training on the task alone keeps them busy (the favoured experts learn fastest, and are chosen more). The
+The tokens share a common direction (as real hidden states often do), so a random router sends almost every token
+to the same two experts: at step 0 the load is collapsed (imbalance E/k, or close). Training on the task alone keeps
+a few experts busy (the favoured experts learn fastest, and are chosen more). The
 load-balancing loss, added with a coefficient, pushes the router's mean probabilities toward uniform: the load
 evens out and fewer slots are dropped.
 """
