@@ -69,7 +69,8 @@ def main():
     print(f"{a.ranks} ranks ({backend}), causal attention, sequence {a.seq} (zig-zag), {a.heads} heads of "
           f"{a.head_dim}, fp32; median of {a.rounds} rounds of {a.steps} forward + backward steps")
     for name in times:
-        print(f"  {name:15}: {times[name] * 1e3:8.1f} ms a step, {held[name] / 2**20:6.2f} MiB of K/V buffers held at once, besides its own")
+        print(f"  {name:15}: {times[name] * 1e3:8.1f} ms a step, {held[name] / 2**20:6.2f} MiB of K/V buffers held "
+              "at once, besides its own")
     ratio, kv = times["ring"] / times["all-gather K/V"], held["ring"] / held["all-gather K/V"]
     print(f"ratio ring / all-gather: time {ratio:.2f}x (goal <= {GOALS['time']}: "
           f"{'met' if ratio <= GOALS['time'] else 'NOT met'}), K/V held {kv:.2f}x (goal <= {GOALS['kv']}: "

@@ -4,6 +4,8 @@ Each worker computes full attention in float64 on every rank (the same generator
 own part of the sequence, runs the variant, and returns the largest difference of the output and of the three
 gradients from the matching slices of full attention's.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,7 +29,7 @@ def equal_to_full_attention(rank, world_size, cases, batch=2, heads=4, head_dim=
         full = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         out_grad = torch.randn(full.shape, generator=g, dtype=torch.float64)
         full.backward(out_grad)
-        part = lambda t: cp.shard(t, 2, rank, world_size, layout)
+        part = functools.partial(cp.shard, dim=2, rank=rank, world_size=world_size, layout=layout)
         mine = [part(t.detach()).requires_grad_() for t in (q, k, v)]
         options = {"causal": causal} | ({} if name == "ulysses_attention" else {"layout": layout})
         with cp.count() as counted:
@@ -160,6 +162,7 @@ def test_ring_attention_in_bf16_is_as_accurate_as_sdpa_and_runs_on_one_rank(n):
 
 def in_subgroups(rank, world_size):
     import torch.distributed as dist
+
     from course_lib import context_parallel as cp
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[rank % 2]

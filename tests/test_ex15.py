@@ -67,7 +67,8 @@ def test_the_merge_check_passes_the_reference_and_a_hand_written_merge():
 
 @pytest.mark.parametrize("answer, says", [
     (summed, "out is out_a + out_b"), (averaged, "plain mean"), (swapped, "weights are swapped"),
-    (with_exp, "an exp overflowed"), (one_sided, "an exp overflowed"), (lse_max, "lse is max(lse_a, lse_b)"), (lse_added, "lse is lse_a + lse_b"),
+    (with_exp, "an exp overflowed"), (one_sided, "an exp overflowed"), (lse_max, "lse is max(lse_a, lse_b)"),
+    (lse_added, "lse is lse_a + lse_b"),
     (keeps_the_empty_state, "with the empty state"), (lambda *a: a[0], "return a pair"),
     (lambda out_a, lse_a, out_b, lse_b: (out_a * torch.exp(lse_a), lse_a), "unsqueeze(-1)")])
 def test_the_merge_check_names_each_mistake(answer, says):
@@ -82,6 +83,7 @@ def make_ring(mistake=None):
     def ring(q, k, v, causal):
         import torch
         import torch.distributed as dist
+
         from course_lib import context_parallel as cp
         rank, world = dist.get_rank(), dist.get_world_size()
         diagonal = causal and mistake != "no mask"
@@ -118,7 +120,8 @@ def test_the_ring_check_passes_the_references_and_a_hand_written_ring():
 @pytest.mark.parametrize("mistake, says", [
     ("own", "only the rank's own block"), ("not passed on", "pass on the block you just received"),
     ("every block masked", "applied to every block"), ("future kept", "in the future"),
-    ("no mask", "no mask was applied"), ("own block unmasked", "without the causal triangle"), ("wrong way round", "attributed to the wrong ranks"),
+    ("no mask", "no mask was applied"), ("own block unmasked", "without the causal triangle"),
+    ("wrong way round", "attributed to the wrong ranks"),
     ("blocking send", "blocking dist.send")])
 def test_the_ring_check_names_each_mistake(mistake, says):
     fb = ex15.check_ring(make_ring(mistake))

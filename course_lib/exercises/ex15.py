@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..context_parallel.blocks import block_attention, merge as reference_merge  # noqa: F401 (the reference)
-from . import Feedback, NOT_ATTEMPTED, passed, run_attempt, wrong
+from ..context_parallel.blocks import block_attention  # noqa: F401 (the reference)
+from ..context_parallel.blocks import merge as reference_merge
+from . import NOT_ATTEMPTED, Feedback, passed, run_attempt, wrong
 
 WORLD_SIZES = (2, 4)
 
@@ -91,7 +92,8 @@ def check_merge(fn) -> Feedback:
         try:
             got = fn(out_a.clone(), lse_a.clone(), out_b.clone(), lse_b.clone())
         except NotImplementedError:
-            return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell again")
+            return Feedback(NOT_ATTEMPTED,
+                            "replace `raise NotImplementedError` with your code, then run this cell again")
         except RuntimeError as e:
             hint = (" lse is (batch, heads, queries) and out (batch, heads, queries, head_dim): weigh out by "
                     "exp(lse_a − lse).unsqueeze(-1)." if "size of tensor" in str(e) else "")

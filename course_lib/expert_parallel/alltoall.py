@@ -124,8 +124,8 @@ def _check_splits(output, input, ins, outs, group):
                 raise ValueError(f"rank {r}'s {name}_split_sizes {list(splits)} add up to {sum(splits)} rows, but its "
                                  f"{name} tensor has {rows}: the {name} splits are the rows this rank {what}. Were the "
                                  "two split lists swapped? all_to_all_single(out, x, output_split_sizes, "
-                                 "input_split_sizes) and ep.all_to_all(x, out_splits, in_splits) take the rows received "
-                                 "first, the rows sent second")
+                                 "input_split_sizes) and ep.all_to_all(x, out_splits, in_splits) take the rows "
+                                 "received first, the rows sent second")
     for s, (s_ins, _, s_rows, _) in enumerate(every):
         for d, (_, d_outs, _, d_rows) in enumerate(every):
             sent = s_ins[d] if s_ins else s_rows // world
