@@ -90,7 +90,7 @@ NOTEBOOKS: list[Notebook] = [
              0, "full", 15, 80, 105),
     Notebook("16_expert_parallel.ipynb", "Expert parallelism (mixture of experts)",
              "routers, top-k and capacity; experts over ranks; all-to-all dispatch and combine; load balance",
-             0, "full", 20, 80, 110),
+             0, "full", 20, 85, 105),
 ]
 
 
