@@ -1,9 +1,10 @@
 """Ring attention against the all-gather-K/V variant: forward + backward time and the K/V bytes a rank holds.
 
 Goal: on 4 ranks, ring attention takes at most 1.3x the all-gather variant's time, holding at most 1/2 of its
-keys and values at once. Both run on the same inputs (causal, zig-zag layout: each rank an even share of the work)
-and alternate, a few steps each, for ``--rounds`` rounds; medians are compared, each step timed at its slowest
-rank. NCCL where every rank has its own GPU, Gloo on the CPU otherwise.
+keys and values at once. "Holding" counts the K/V buffers each variant allocates in the forward pass, beside the
+rank's own K and V, which both keep (with them counted, 3 blocks against 5 on 4 ranks). Both run on the same
+inputs (causal, zig-zag layout: each rank an even share of the work) and alternate, a few steps each, for
+``--rounds`` rounds; medians are compared, each step timed at its slowest rank. NCCL where every rank has its own GPU, Gloo on the CPU otherwise.
 
     python benchmarks/context_parallel.py [--ranks 4] [--rounds 9] [--seq 2048] [--heads 8] [--head-dim 64]
 """

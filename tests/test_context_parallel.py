@@ -197,3 +197,56 @@ def test_pytorchs_context_parallel_has_no_rule_for_the_cpu_attention_kernel():
     kernels = {str(op) for op in module.custom_ops}
     assert any("flash_attention" in k for k in kernels)                       # the GPU kernels are there...
     assert not any("for_cpu" in k for k in kernels)                           # ...the CPU one is not
+
+
+def in_float32(rank, world_size):
+    from course_lib import context_parallel as cp
+    gaps = {}
+    for name, layout in (("ring_attention", "zigzag"), ("allgather_attention", "zigzag"),
+                         ("ulysses_attention", "contiguous")):
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(2, 4, 8 * world_size, 6, generator=g, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grad = torch.randn(full.shape, generator=g, dtype=torch.float64)
+        full.backward(grad)
+        part = functools.partial(cp.shard, dim=2, rank=rank, world_size=world_size, layout=layout)
+        mine = [part(t.detach()).float().requires_grad_() for t in (q, k, v)]
+        options = {"causal": True} | ({} if name == "ulysses_attention" else {"layout": layout})
+        out = getattr(cp, name)(*mine, **options)
+        out.backward(part(grad).float())
+        gaps[name] = max(float((a.double() - part(b)).abs().max())
+                         for a, b in [(out, full.detach())] + [(m.grad, t.grad) for m, t in zip(mine, (q, k, v))])
+    return gaps
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_variant_in_float32_is_within_1e_5_of_full_attention(n):
+    for gaps in run(in_float32, n, backend="gloo", show_output=False):
+        assert max(gaps.values()) < 1e-5, gaps
+
+
+def bad_calls(rank, world_size):
+    from course_lib import context_parallel as cp
+    x, y = torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 4, 3)
+    said = {}
+    for name, call in (("ring shapes", lambda: cp.ring_attention(x, y, y)),
+                       ("ulysses shapes", lambda: cp.ulysses_attention(x, y, y)),
+                       ("ring layout", lambda: cp.ring_attention(x, x, x, layout="stripes")),
+                       ("all-gather layout", lambda: cp.allgather_attention(x, x, x, layout="stripes"))):
+        try:
+            call()
+            said[name] = None
+        except ValueError as e:
+            said[name] = str(e)
+    return said
+
+
+def test_bad_shapes_and_layouts_are_clear_errors():
+    said = run(bad_calls, 2, backend="gloo", show_output=False)[0]
+    assert "must have the same shape" in said["ring shapes"] and "must have the same shape" in said["ulysses shapes"]
+    assert "layout must be one of" in said["ring layout"] and "layout must be one of" in said["all-gather layout"]
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        traffic.forward_bytes("ring", 1, 4, 10, 8, 3)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        traffic.forward_bytes("tree", 1, 4, 8, 8, 2)

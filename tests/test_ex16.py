@@ -166,6 +166,11 @@ def detached(x, expert, gate, num_experts, local_experts, group=None):
     return dispatch_combine(x.detach(), expert, gate, num_experts, local_experts)
 
 
+def calls_the_library(x, expert, gate, num_experts, local_experts, group=None):
+    from course_lib import expert_parallel as ep
+    return ep.dispatch_combine(x, expert, gate, num_experts, local_experts, group)
+
+
 def test_the_reference_passes():
     fb = ex16.check_dispatch_combine(dispatch_combine)
     assert fb.status == PASSED and fb, fb
@@ -209,6 +214,7 @@ MISTAKES = [
     (ignores_group, "ignores `group`"),
     (detached, "no gradient reached x"),
     (lambda *args, **kw: [1.0], "returned a list"),
+    (calls_the_library, "write the dispatch and combine yourself"),
 ]
 PHRASES = ["split sizes", "wrong rank", "sent them to itself", "wrong order", "not weighted by the gates",
            "no gradient reached", "right rank, wrong local expert", "count twice", "applied before the expert",

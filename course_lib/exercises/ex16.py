@@ -20,6 +20,8 @@ that receives nothing):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -236,9 +238,31 @@ def _in_moe(worker, n, fn, hint):
     return None, max(max(r[k] for k in ("output", "input grad", "router grad", "expert grads")) for r in results)
 
 
+def _refuse(*args, **kwargs):
+    raise RuntimeError("write the dispatch and combine yourself: the course's own ep.dispatch_combine is off for "
+                       "this check")
+
+
+def without_the_reference(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the library's dispatch and combine switched off (the exercise is to write them)."""
+    from .. import expert_parallel as ep
+    from ..expert_parallel import dispatch as dispatch_module
+    saved = [(ep, ep.dispatch_combine), (dispatch_module, dispatch_module.dispatch_combine)]
+    for module, _ in saved:
+        module.dispatch_combine = _refuse
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for module, original in saved:
+            module.dispatch_combine = original
+
+
 def check_dispatch_combine(fn):
     """``fn(x, expert, gate, num_experts, local_experts, group=None)``: a probe and an MoE layer on 2 and 4 ranks,
     then an MoE layer in two expert-parallel groups of 2."""
+    if not callable(fn):
+        return wrong(f"pass your function itself (without calling it), got {fn!r}")
+    fn = functools.partial(without_the_reference, fn)
     hint = ("A rank waits in an all-to-all that another rank never calls: every rank must call the same "
             "all-to-alls, in the same order, even a rank with nothing to send.")
     for n in CASES:
