@@ -4,7 +4,8 @@ Goal: on 4 ranks, ring attention takes at most 1.3x the all-gather variant's tim
 keys and values at once. "Holding" counts the K/V buffers each variant allocates in the forward pass, beside the
 rank's own K and V, which both keep (with them counted, 3 blocks against 5 on 4 ranks). Both run on the same
 inputs (causal, zig-zag layout: each rank an even share of the work) and alternate, a few steps each, for
-``--rounds`` rounds; medians are compared, each step timed at its slowest rank. NCCL where every rank has its own GPU, Gloo on the CPU otherwise.
+``--rounds`` rounds; medians are compared, each step timed at its slowest rank. NCCL where every rank has its own
+GPU, Gloo on the CPU otherwise.
 
     python benchmarks/context_parallel.py [--ranks 4] [--rounds 9] [--seq 2048] [--heads 8] [--head-dim 64]
 """
