@@ -19,9 +19,11 @@ The layers, each using only itself and those above it (``tests/test_house.py`` c
                               blocks, sequence parallelism, DTensor plans, the 2-D mesh
 ``context_parallel/``         attention over a sequence split across ranks (ring, zig-zag, all-gather, Ulysses)
 ``expert_parallel/``          mixture-of-experts layers whose experts live on different ranks (all-to-all)
+``composed/``                 data × tensor × pipeline parallelism on one mesh, equal to one process
 ``memory/``                   the bytes training needs, predicted and measured: activations, recomputation,
                               accumulation, the layout calculator
 ``precision/``                number formats, mixed precision, loss scaling, precision on the wire
+``layout/``                   a cluster's layouts ranked by predicted step time, memory and MFU
 ``faults``                    things broken on purpose, each ending as a clear error
 ``viz/``                      pictures, explorers (widgets) and source listings
 ``exercises/``                the checks of the notebooks' exercises
