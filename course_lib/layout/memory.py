@@ -1,0 +1,122 @@
+"""Bytes one GPU holds under a layout: the model's states, the activations in flight, and the transient buffers.
+
+**States** (bf16 training with Adam, notebook 14's 16 bytes a parameter): 2 for the bf16 weight, 2 for its
+gradient, 8 for Adam's two fp32 moments, 4 for the fp32 master copy (:func:`course_lib.memory.arithmetic.
+training_memory`). A GPU holds its pipeline stage's layers (``layers / pp``), each matrix cut ``tp`` ways (the
+RMSNorm weights are whole on every TP rank), the vocabulary-parallel embedding on the first stage and the LM
+head on the last. ZeRO then shards over the ``dp·cp`` GPUs that hold the same weights: stage 1 the optimizer
+states and master weights, stage 2 the gradients too, stage 3 the weights too.
+
+**Activations** of one layer and one micro-batch of ``t = micro_batch·seq/cp`` tokens, in bf16 (``d = 2``), with
+sequence parallelism, so every term is cut ``tp`` ways (Korthikanti et al. 2022's ``sbh·34/t`` has the same form):
+
+=================================  ==========================  ============================================
+saved tensor                       bytes                       saved by
+=================================  ==========================  ============================================
+the two RMSNorms' inputs           ``2·t·h·d``                 the norms (and the residual stream)
+the two norms' 1/rms               ``2·t·4``                   the norms (fp32)
+the two norms' outputs             ``2·t·h·d``                 q, k, v (one storage); gate, up (one)
+q, k, v                            ``t·(h + 2·kv_dim)·d``      the attention
+attention output                   ``t·h·d``                   o (and the fused kernel's backward)
+fused: logsumexp                   ``t·heads·4``               FlashAttention / SDPA: no s² scores
+eager: softmax output              ``b·heads·(s/cp)·s·d``      softmax and probs·v: the s² term
+SwiGLU: gate, up, silu(gate), gxu  ``4·t·f·d``                 silu, the product, down
+=================================  ==========================  ============================================
+
+(With fewer key/value heads than TP ranks each rank keeps one.) The last stage adds the final norm's input and
+output and the logits in fp32 for the loss (``t·vocab·4``, vocabulary-parallel: cut ``tp`` ways).
+
+**How many micro-batches are in flight.** Under 1F1B, stage ``s`` of ``pp`` runs ``pp − s`` forwards before its
+first backward: the first stage holds ``min(pp, m)`` micro-batches' activations, the last one (notebook 07).
+Without a pipeline, gradient accumulation frees each micro-batch's activations in its backward: one at a time.
+**Full recomputation** keeps only each layer's input and rebuilds one layer at a time in the backward.
+**Transient buffers**: ZeRO-3 holds two gathered layers (the one computing and the one FSDP2 prefetches) and one
+layer's unsharded gradients before their reduce-scatter. What is left out (the allocator's fragmentation, NCCL's
+buffers, the CUDA context: a few GiB) is why a layout fits only in 90% of the GPU (``arithmetic.fits``).
+"""
+from __future__ import annotations
+
+from ..memory.arithmetic import training_memory
+from .shapes import Model
+from .space import Layout
+
+D = 2            # bytes of a bf16 activation, weight or gradient
+STAT = 4         # bytes of an fp32 statistic (RMSNorm's 1/rms, attention's logsumexp, the loss's logits)
+
+
+def _kv_heads_local(model: Model, tp: int) -> int:
+    return max(model.kv_heads // tp, 1)
+
+
+def layer_params_on_gpu(model: Model, tp: int) -> int:
+    """One layer's parameters on one of ``tp`` ranks: q, o and the MLP cut ``tp`` ways, k and v cut by key/value
+    heads (at least one head each), the two norm weights whole."""
+    h, f = model.hidden, model.ffn
+    return (2 * h * h + 3 * h * f) // tp + 2 * h * model.head_dim * _kv_heads_local(model, tp) + 2 * h
+
+
+def params_on_gpu(model: Model, layout: Layout, stage: int = 0) -> int:
+    """Parameters one GPU of pipeline ``stage`` holds before ZeRO shards them."""
+    p = model.layers // layout.pp * layer_params_on_gpu(model, layout.tp)
+    head = -(-model.vocab // layout.tp) * model.hidden
+    p += head if stage == 0 else 0                                      # the embedding
+    p += head + model.hidden if stage == layout.pp - 1 else 0           # the LM head and the final norm
+    return p
+
+
+def layer_activation_bytes(model: Model, layout: Layout) -> dict:
+    """The table of the module docstring: bytes one layer saves for one micro-batch on one GPU, and ``"total"``."""
+    h, f, tp, d = model.hidden, model.ffn, layout.tp, D
+    s_local = model.seq // layout.cp
+    t = layout.micro_batch * s_local
+    kv = 2 * model.head_dim * _kv_heads_local(model, tp)
+    parts = {"norm inputs": 2 * t * h * d // tp, "norm 1/rms": 2 * t * STAT // tp,
+             "norm outputs": 2 * t * h * d // tp, "q, k, v": t * (h // tp + kv) * d,
+             "attention output": t * h * d // tp,
+             "logsumexp (fused)": t * model.heads // tp * STAT if model.attention == "fused" else 0,
+             "scores (eager)": layout.micro_batch * model.heads // tp * s_local * model.seq * d
+             if model.attention == "eager" else 0,
+             "SwiGLU": 4 * t * f * d // tp}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def activation_bytes(model: Model, layout: Layout, stage: int = 0) -> dict:
+    """Activations one GPU of pipeline ``stage`` holds at its peak: ``"layers"``, ``"recompute buffer"`` (the
+    layer rebuilt in the backward), ``"loss"`` (the last stage's final norm and logits) and ``"total"``."""
+    t = layout.micro_batch * model.seq // layout.cp
+    in_flight = min(layout.pp - stage, layout.m)
+    layers = model.layers // layout.pp
+    one_layer = layer_activation_bytes(model, layout)["total"]
+    if layout.recompute == "full":
+        kept, rebuilt = in_flight * layers * t * model.hidden * D // layout.tp, one_layer
+    else:
+        kept, rebuilt = in_flight * layers * one_layer, 0
+    loss = 0
+    if stage == layout.pp - 1:
+        loss = 2 * t * model.hidden * D // layout.tp + t * -(-model.vocab // layout.tp) * STAT
+    parts = {"layers": kept, "recompute buffer": rebuilt, "loss": loss}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def stage_memory(model: Model, layout: Layout, stage: int = 0) -> dict:
+    """Bytes one GPU of pipeline ``stage`` holds, by part (``arithmetic.training_memory``'s names, then the
+    activations' parts, the ZeRO-3 buffers) and ``"total"``."""
+    acts = activation_bytes(model, layout, stage)
+    mem = training_memory(params_on_gpu(model, layout, stage), "bf16", "adam", acts["total"],
+                          zero_stage=layout.zero, world_size=layout.dp * layout.cp)
+    layer = layer_params_on_gpu(model, layout.tp) * D
+    mem["ZeRO-3 gathered layers"] = 3 * layer if layout.zero == 3 and layout.dp * layout.cp > 1 else 0
+    mem["total"] += mem["ZeRO-3 gathered layers"]
+    mem["activation parts"] = acts
+    return mem
+
+
+def memory_per_gpu(model: Model, layout: Layout) -> dict:
+    """The fullest GPU's bytes: the first pipeline stage (most micro-batches in flight, the embedding) or the last
+    (the LM head, the logits), whichever holds more; ``"stage"`` says which."""
+    first = stage_memory(model, layout, 0)
+    last = stage_memory(model, layout, layout.pp - 1)
+    worst, stage = (first, 0) if first["total"] >= last["total"] else (last, layout.pp - 1)
+    return {**worst, "stage": stage}
