@@ -112,6 +112,9 @@ def test_each_rank_holds_an_eighth_of_a_split_weight_and_a_quarter_of_the_rest(r
             assert shapes["blocks.0.mlp.up.weight"] == (m.hidden // 4, m.dim)    # tp halves the rows, dp again
             assert shapes["blocks.1.attn.out.weight"] == (m.dim // 2, m.dim // 2)   # tp: columns, dp: rows
             assert shapes["tok_emb.weight"] == (m.vocab // 2, m.dim)               # dp only
+            assert r["placements"]["tok_emb.weight"] == "(Shard(dim=0),)"
+            assert r["placements"]["blocks.1.mlp.down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+            assert r["placements"]["blocks.0.ln2.bias"] == "(Shard(dim=0), Replicate())"
         else:
             assert shapes["head.weight"] == (m.vocab // 2, m.dim)
 

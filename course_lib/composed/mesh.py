@@ -73,7 +73,8 @@ def device_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
 
     A process builds each mesh once and hands it back on later calls. A second, equal mesh would get new process
     groups, yet DTensor's cache of sharding decisions (which compares meshes by their ranks, torch 2.13) would
-    keep sending some collectives over the first mesh's groups: right results, but counted in an unknown group.
+    keep sending some collectives over the first mesh's groups: right results, counted in an unknown group. (On a
+    second mesh's ``x``, ``(x * 2).redistribute(...)`` all-gathers over the first mesh's group.)
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -13,13 +13,24 @@ Three cuts, in this order, each along one mesh dimension:
    an all-gather of its gradient), the last stage gathers the whole sequence again before the final LayerNorm
    and the head (kept whole on every tp rank).
 3. **dp: which rows.** :func:`shard_stage` applies FSDP2 (``fully_shard``) over the dp sub-mesh: one unit per
-   block, and the stage itself for the rest. Every parameter ends as a DTensor over the (dp, tp) mesh: the
-   split blocks' weights ``(Shard(0), Shard(...))``, the rest ``(Shard(0), Replicate())``.
+   block, and the stage itself for the rest. A block's parameters end as DTensors over the (dp, tp) mesh: a
+   column-parallel weight ``(_StridedShard(0), Shard(0))`` (dp takes rows of tp's rows), a row-parallel one
+   ``(Shard(0), Shard(1))``, a LayerNorm's ``(Shard(0), Replicate())``; the embeddings and the head, which tp
+   leaves whole, are DTensors over dp alone, ``(Shard(0),)``.
    ``reshard_after_forward=False``: a unit stays gathered across the step's micro-batches, so it is all-gathered
    once per step, not once per micro-batch (what torchtitan does under pipelining too).
 
-What each rank holds, for the course's 4-block model on 2×2×2: a quarter of the rows of one stage's split weights
-(``blocks.0.mlp.up.weight``: ``hidden/4 × dim``), half the rows of its other weights.
+What each rank holds, for the course's 4-block model on 2×2×2: the weights of one stage (half the model), of which
+a quarter of each split weight (tp halves it, dp halves it again: ``blocks.0.mlp.up.weight`` is ``hidden/4 × dim``)
+and half of each other weight (dp only: ``tok_emb.weight`` is ``vocab/2 × dim``).
+
+Two things torch does here that the plan relies on (torch 2.13):
+
+* under sequence parallelism the LayerNorms' gradients come out ``Partial`` over tp (each tp rank saw its own
+  positions); FSDP2 all-reduces them over tp itself (it redistributes a gradient to its parameter's placement)
+  before it reduce-scatters over dp: four all-reduces per block, at the end of the step;
+* the whole sequence is gathered at the final LayerNorm's input, not at the last block's output: a
+  ``PrepareModuleOutput`` there works too, but hands FSDP2 a view as the block's output, which it warns about.
 """
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ def train_3d_worker(rank: int, world_size: int, cfg: LMTrainConfig = SMALL, pp: 
 
     Returns ``coords`` (this rank's place), ``losses`` and ``reference_losses`` (each step's global mean),
     ``max_diff`` (the largest difference between this rank's stage's gathered weights and the reference's) and
-    ``worst`` (which weight), ``names`` (the weights of this stage), ``shapes`` (of this rank's shards),
+    ``worst`` (which weight), ``names`` (the weights of this stage), ``shapes`` and ``placements`` (of this rank's
+    shards, as DTensor prints them: one placement per mesh dimension, dp then tp),
     ``counts`` (``{dimension: {kind: n}}``: this rank's messages in step ``count_step``, the last by default),
     ``phases`` (the same, split ``{dimension: {phase: {kind: n}}}``) and ``bytes``.
 
@@ -192,8 +193,9 @@ def train_3d_worker(rank: int, world_size: int, cfg: LMTrainConfig = SMALL, pp: 
     gaps = {k: (v - ref["state"][k]).abs().max().item() for k, v in state.items()}
     worst = max(gaps, key=gaps.get)
     return {"coords": here, "losses": losses, "reference_losses": ref["losses"], "max_diff": gaps[worst],
-            "worst": worst, "names": list(state), "shapes": {k: tuple(v.to_local().shape) for k, v in
-                                                              stage.state_dict().items()},
+            "worst": worst, "names": list(state),
+            "shapes": {k: tuple(p.to_local().shape) for k, p in stage.named_parameters()},
+            "placements": {k: str(p.placements) for k, p in stage.named_parameters()},
             "counts": log.counts(), "phases": log.counts(by_phase=True), "bytes": log.bytes()}
 
 
