@@ -168,7 +168,8 @@ def test_each_group_runs_the_messages_derived_by_hand(runs, variant):
     phases = runs[variant][0]["phases"]        # stage 0: where in the step they run
     assert phases["tp"]["forward"] == {"all-gather": 8 * 2, "reduce-scatter": 8 * 2}
     assert phases["tp"]["backward"] == {"all-gather": 8 * 2 + 4, "reduce-scatter": 8 * 2}
-    assert phases["dp"] == {"forward": {"all-gather": 3}, "between": {"reduce-scatter": 3}}
+    assert phases["dp"]["forward"] == {"all-gather": 3}      # the reduce-scatters: when the schedule ends the step
+    assert sum(p.get("reduce-scatter", 0) for p in phases["dp"].values()) == 3   # ("between" in torch 2.13)
 
 
 def test_sequence_parallelism_makes_the_pipeline_messages_a_slice_of_the_sequence(runs):
