@@ -1,7 +1,6 @@
 """The layout planner (``course_lib.layout``): its search space, its terms on a case computed by hand, the 70 B
 case ranked by time, fused against eager attention, the 64-rank memory check with the fake process group, and
 MFU measured on this CPU."""
-import time
 
 import pytest
 import torch
@@ -127,11 +126,9 @@ def test_what_a_real_cpu_rank_holds_is_predicted():
 
 
 def test_mfu_on_this_cpu_is_a_share_of_its_matmul_peak():
-    t0 = time.perf_counter()
     peak = measure_matmul_peak()
     model = build(TINY.with_(hidden=256, ffn=704, seq=64, vocab=512, attention="eager"))
     got = measure_mfu(model, torch.randint(0, 512, (4, 64)))
     print(f"\nCPU matmul peak {peak / 1e9:.1f} GFLOP/s; step {got['flops'] / 1e9:.2f} GFLOP in "
           f"{got['seconds'] * 1e3:.0f} ms: MFU {got['mfu']:.1%} of {got['peak'] / 1e9:.1f} GFLOP/s")
     assert peak > 0 and 0 < got["mfu"] <= 1
-    assert time.perf_counter() - t0 < 10                                              # < 5 s on an idle machine

@@ -40,8 +40,15 @@ published. On one node, where little is communicated, the table reaches 44–47%
 the dense peak is nearer 0.5 than the planner's assumed 0.75 (:data:`.timing.EFFICIENCY`, left as it is: no
 fitting). The gap widens with nodes (1.34 B on 64 nodes: 5.25% published), where the planner hides almost all
 data-parallel traffic under compute and the real runs do not. Its choices differ mostly by ZeRO-2/3 and CP,
-which the table never uses; restricted to ZeRO 0/1 without CP it picks the published layout exactly for
-3.57 B on 64 nodes and 80 B on 32 nodes.
+which the table never uses because nanotron could not run them then (its README lists ZeRO-1 only, ZeRO-3 and
+ring attention on its roadmap): the fair comparison is the planner restricted to ZeRO 0/1 without CP
+(``planner_same_space``), which picks the published layout exactly for 3.57 B on 64 nodes and 80 B on 32 nodes.
+
+**Known differences not modelled** (to weigh before teaching from it): nanotron accumulates gradients in fp32,
+so its data-parallel bytes and gradient memory are twice the planner's bf16; the quoted ``scaling_benchmarks.py``
+line is from a version of that file (commit 38fcb8bc) whose stored versions set ``VOCAB_SIZE = 32768`` and
+``TP_MODE="ALL_REDUCE"`` (no sequence parallelism), which contradicts the 131,072 inferred above: the shapes
+stay an assumption.
 """
 from __future__ import annotations
 

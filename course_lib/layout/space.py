@@ -15,7 +15,8 @@ GPUs sit in one node, that is when the product of its degree and the degrees num
 
 * ``tp`` divides the GPUs of a node. TP's collectives run twice per layer in the forward and twice in the
   backward, on the critical path; across nodes they would run at the network's 50 GB/s instead of NVLink's 450
-  (an H100 node): no published layout does it, so the space leaves it out.
+  (an H100 node), so the space leaves it out. (The Playbook's table has one layout that does, TP 16 for 80 B on
+  64 nodes: :mod:`.published` reports it as outside this space.)
 * ``tp`` divides the query heads, and the key/value heads divide by ``tp`` or ``tp`` by them (fewer key/value
   heads than ranks: each is repeated); ``pp`` divides the layers; ``cp`` divides the sequence.
 * ZeRO stage 1–3 only where gradients are reduced over more than one GPU (``dp·cp > 1``: CP ranks hold the same
