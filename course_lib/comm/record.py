@@ -60,7 +60,22 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-class CollectiveLog(TorchDispatchMode):
+class Phased:
+    """What the course's logs share: ``with log.during("backward"): ...`` labels what runs inside with a phase
+    (``self.phase``), and the previous label comes back after it."""
+
+    phase = "forward"
+
+    @contextmanager
+    def during(self, phase: str):
+        previous, self.phase = self.phase, phase
+        try:
+            yield self
+        finally:
+            self.phase = previous
+
+
+class CollectiveLog(Phased, TorchDispatchMode):
     """Records each collective run while active; ``with log.during("backward"): loss.backward()`` labels them."""
 
     def __init__(self):
@@ -77,14 +92,6 @@ class CollectiveLog(TorchDispatchMode):
             sizes = [t.numel() * t.element_size() for t in _tensors((args, out))]
             self.records.append(Collective(kind, max(sizes, default=0), self.phase))
         return out
-
-    @contextmanager
-    def during(self, phase: str):
-        previous, self.phase = self.phase, phase
-        try:
-            yield self
-        finally:
-            self.phase = previous
 
     def summary(self, world_size: int) -> dict:
         """Per phase: the collectives' kinds, and the bytes each rank sends (ring) in total."""

@@ -17,14 +17,13 @@ pipeline's sends and receives, FSDP2's reduce-scatters at the end of the step).
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..comm.record import COMM_NAMESPACES, kind_of
+from ..comm.record import COMM_NAMESPACES, Phased, kind_of
 
 POINT_TO_POINT = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 
@@ -83,7 +82,7 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-class GroupLog(TorchDispatchMode):
+class GroupLog(Phased, TorchDispatchMode):
     """Records every message while active, labelled with the mesh dimension of its group.
 
     ``dims``: ``{dimension: process group}``, e.g. ``{d: mesh[d].get_group() for d in ("pp", "dp", "tp")}``; a
@@ -95,15 +94,6 @@ class GroupLog(TorchDispatchMode):
         self.names = {group.group_name: dim for dim, group in dims.items()}
         self.records: list[Message] = []
         self.phase = "between"
-
-    @contextmanager
-    def during(self, phase: str):
-        """Label what runs inside with ``phase`` (outside a backward pass, which is always ``"backward"``)."""
-        previous, self.phase = self.phase, phase
-        try:
-            yield self
-        finally:
-            self.phase = previous
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):

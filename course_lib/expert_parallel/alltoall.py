@@ -16,11 +16,12 @@ every rank's splits and raises a :class:`ValueError` that says which pair disagr
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..comm.record import Phased
 
 
 class AllToAll(torch.autograd.Function):
@@ -65,7 +66,7 @@ class Call:
         return sum(n for d, n in enumerate(self.in_splits) if d != rank) * self.row_bytes
 
 
-class AllToAllLog:
+class AllToAllLog(Phased):
     """``with AllToAllLog() as log:`` records every ``dist.all_to_all_single`` issued while active.
 
     ``check=True`` compares the splits of all ranks before each call (one ``all_gather_object``) and raises a
@@ -98,14 +99,6 @@ class AllToAllLog:
 
     def __exit__(self, *exc):
         dist.all_to_all_single = self._original
-
-    @contextmanager
-    def during(self, phase: str):
-        previous, self.phase = self.phase, phase
-        try:
-            yield self
-        finally:
-            self.phase = previous
 
 
 def _check_splits(output, input, ins, outs, group):
