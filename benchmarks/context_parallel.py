@@ -10,21 +10,19 @@ GPU, Gloo on the CPU otherwise.
     python benchmarks/context_parallel.py [--ranks 4] [--rounds 9] [--seq 2048] [--heads 8] [--head-dim 64]
 """
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 
 from course_lib import hardware
 from course_lib.launch import run
+from course_lib.parallelism import side_by_side
 
 GOALS = {"time": 1.3, "kv": 0.5}
 
 
 def worker(rank, world_size, seq, heads, head_dim, rounds, steps):
     """Median seconds of a forward + backward of each variant, and the K/V bytes each held (rank 0's view)."""
-    import torch.distributed as dist
-
     from course_lib import context_parallel as cp
 
     device = hardware.rank_device()
@@ -32,7 +30,7 @@ def worker(rank, world_size, seq, heads, head_dim, rounds, steps):
     q, k, v = (torch.randn(1, heads, seq // world_size, head_dim, generator=g).to(device).requires_grad_()
                for _ in range(3))
     variants = {"ring": cp.ring_attention, "all-gather K/V": cp.allgather_attention}
-    times, held = {name: [] for name in variants}, {}
+    held = {}
 
     def step(fn):
         fn(q, k, v, causal=True, layout="zigzag").sum().backward()
@@ -41,18 +39,8 @@ def worker(rank, world_size, seq, heads, head_dim, rounds, steps):
         with cp.count() as counted:
             step(fn)
         held[name] = counted["kv_held"]
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            dist.barrier()
-            hardware.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(fn)
-            hardware.synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
-    return {name: statistics.median(t) for name, t in times.items()}, held
+    calls = {name: functools.partial(step, fn) for name, fn in variants.items()}
+    return side_by_side(calls, rounds, steps, device), held
 
 
 def main():

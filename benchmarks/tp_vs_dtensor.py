@@ -9,20 +9,19 @@ ranks. Both are built from one full MLP in the same process group and alternate,
 """
 import argparse
 import copy
-import statistics
-import time
+import functools
 
 import torch
 
 from course_lib import hardware
 from course_lib.launch import run
+from course_lib.parallelism import side_by_side
 
 GOAL = 1.2
 
 
 def worker(rank, world_size, dim, tokens, rounds, steps):
     """Median seconds of one forward + backward of each version of the MLP block (rank 0's view)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from course_lib.models import MLP
@@ -36,7 +35,6 @@ def worker(rank, world_size, dim, tokens, rounds, steps):
                 "parallelize_module": parallelize(copy.deepcopy(full), init_device_mesh(device.type, (world_size,)),
                                                   mlp_plan())}
     x = torch.randn(tokens // 128, 128, dim, device=device, requires_grad=True)
-    times = {name: [] for name in versions}
 
     def step(model):
         local(model(x)).sum().backward()
@@ -44,18 +42,8 @@ def worker(rank, world_size, dim, tokens, rounds, steps):
     for model in versions.values():   # warm-up: allocations, connections, DTensor's sharding caches
         for _ in range(2):
             step(model)
-    for _ in range(rounds):
-        for name, model in versions.items():
-            dist.barrier()
-            hardware.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(model)
-            hardware.synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step is done when the slowest rank is
-            times[name].append(elapsed.item())
-    return {name: statistics.median(t) for name, t in times.items()}
+    return side_by_side({name: functools.partial(step, model) for name, model in versions.items()}, rounds, steps,
+                        device)
 
 
 def main():

@@ -63,3 +63,29 @@ def expected_speedup(available: float, ideal: float, processes: int = 2) -> floa
         return None
     reachable = 1 + (ideal - 1) * min(1.0, (available - 1) / (processes - 1))
     return 1 + 0.6 * (reachable - 1)
+
+
+def side_by_side(variants: dict, rounds: int, steps: int, device) -> dict:
+    """Worker side of a benchmark: ``{name: median seconds a call}`` of each of ``variants`` (``name: fn()``), run on
+    every rank of the process group in alternation, ``steps`` calls each, for ``rounds`` rounds. Each round starts
+    at a barrier and counts the *slowest* rank's time (a step is done when every rank is), so both variants see the
+    same machine, moments apart: their ratio holds on a busy one too."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from .hardware import synchronize
+    times: dict = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            dist.barrier()
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            synchronize(device)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    return {name: statistics.median(t) for name, t in times.items()}
