@@ -79,3 +79,18 @@ def test_timing_worker_measures_every_implementation_and_size():
     assert out[1] is None
     assert set(out[0]) == set(allreduce.IMPLEMENTATIONS)
     assert all(len(t) == 2 and all(0 < s < 5 for s in t) for t in out[0].values())
+
+
+def test_relative_fit_lets_the_small_messages_set_alpha():
+    # 20 µs of latency under times whose largest are milliseconds; the largest time measured 10 % high
+    sizes = np.array([2**14, 2**17, 2**20, 2**22], dtype=float)
+    noisy = costmodel.predict("ring", sizes, 2, 20e-6, 1e-9) * np.array([1, 1, 1, 1.1])
+    ols = costmodel.fit_alpha_beta(sizes, noisy, "ring", 2)
+    rel = costmodel.fit_alpha_beta(sizes, noisy, "ring", 2, relative=True)
+    assert ols["alpha"] < 5e-6                                   # OLS: α is lost in the largest message's error
+    assert rel["alpha"] == pytest.approx(20e-6, rel=0.1)         # relative: set by the small messages
+    assert rel["max_rel_error"] < ols["max_rel_error"]
+
+
+def test_a_best_sample_needs_a_second_to_confirm_it():
+    assert costmodel._confirmed([1.0, 1.2, 3.0], 0.25) and not costmodel._confirmed([1.0, 2.0, 3.0], 0.25)

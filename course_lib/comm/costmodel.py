@@ -94,11 +94,14 @@ def predict_two_level(nbytes, gpus_per_node: int, nodes: int, intra: tuple[float
     return inside + predict("ring", np.asarray(nbytes, dtype=float) / g, nodes, a_e, b_e)
 
 
-def fit_alpha_beta(nbytes, seconds, algorithm: str, world_size: int) -> dict:
+def fit_alpha_beta(nbytes, seconds, algorithm: str, world_size: int, relative: bool = False) -> dict:
     """Least-squares fit of α and β to measured times of ``algorithm``.
 
-    Ordinary least squares on the times (so R² has its usual meaning), with α kept >= 0. Returns α (s),
-    β (s/byte), the implied bandwidth 1/β (bytes/s), R² of the fitted times and the largest relative error.
+    Ordinary least squares on the times (so R² has its usual meaning), with α kept >= 0.  That fit is ruled by
+    the largest messages, and α, a few microseconds next to their milliseconds, is what noise leaves over.
+    ``relative=True`` minimises the *relative* errors instead (each time weighted by 1/t), so the small
+    messages set α: use it when α is the number you want.  Returns α (s), β (s/byte), the implied bandwidth
+    1/β (bytes/s), R² of the fitted times and the largest relative error.
     """
     x, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
     if len(x) < 3:
@@ -107,26 +110,35 @@ def fit_alpha_beta(nbytes, seconds, algorithm: str, world_size: int) -> dict:
     if steps == 0:
         raise ValueError("one rank communicates nothing: fit on 2 or more ranks")
     design = np.stack([np.full_like(x, steps), volume * x], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    w = 1 / t if relative else np.ones_like(t)          # rows scaled by 1/t: least squares on relative errors
+    (alpha, beta), *_ = np.linalg.lstsq(design * w[:, None], t * w, rcond=None)
     if alpha < 0:  # latency cannot be negative: refit the bandwidth term alone
         alpha = 0.0
-        beta = float(np.linalg.lstsq(design[:, 1:], t, rcond=None)[0][0])
+        beta = float(np.linalg.lstsq(design[:, 1:] * w[:, None], t * w, rcond=None)[0][0])
     fitted = steps * alpha + volume * x * beta
     r2 = 1 - np.sum((t - fitted) ** 2) / np.sum((t - t.mean()) ** 2)
     return {"alpha": float(alpha), "beta": float(beta), "bandwidth": 1 / beta if beta > 0 else math.inf,
             "r2": float(r2), "max_rel_error": float(np.max(np.abs(fitted - t) / t))}
 
 
+def _confirmed(samples: list[float], agree: float) -> bool:
+    """Whether the two best samples agree within a fraction ``agree`` of the best."""
+    best, second = sorted(samples)[:2]
+    return second <= best * (1 + agree)
+
+
 def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], repeats: int = 5,
-                    min_seconds: float = 0.0) -> dict | None:
+                    min_seconds: float = 0.0, agree: float = 0.25) -> dict | None:
     """Worker: time each implementation on float32 tensors of ``sizes`` bytes; rank 0 returns the results.
 
     The tensors live where the backend wants them: on the rank's GPU with NCCL, in CPU memory with Gloo.
 
     Every measurement starts after a barrier, and the time of an all-reduce is the *slowest* rank's
     (an all-reduce is done when every rank has the result).  The best of ``repeats`` is kept (the least
-    disturbed by other processes on a shared machine); small
-    messages are repeated until ``min_seconds`` have passed, to see past the clock's resolution.
+    disturbed by other processes on a shared machine).  A best that no second sample confirms (within
+    ``agree``, 25 %) may be a burst of load, not the machine: up to 3 x ``repeats`` samples are taken until
+    two agree.  Every rank sees the same all-reduced samples, so all make the same choice.  Small messages
+    are repeated until ``min_seconds`` have passed, to see past the clock's resolution.
     """
     device = hardware.rank_device()
     results: dict[str, list[float]] = {}
@@ -136,7 +148,8 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
             x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)  # zeros never overflow
             fn(x)  # warm-up: connections, allocations
             samples = []
-            for _ in range(repeats):
+            while len(samples) < repeats or (1 < repeats and len(samples) < 3 * repeats
+                                             and not _confirmed(samples, agree)):
                 inner = 1
                 while True:
                     dist.barrier()
