@@ -10,7 +10,7 @@ The layers, each using only itself and those above it (``tests/test_house.py`` c
 ``data``, ``models/``         generated data sets; the course's models, built from a seed
 ``checkpoint``                atomic saves by one rank, safe loads on every rank
 ``comm/``                     collectives' meaning, all-reduce from scratch, the α-β cost model, the collectives
-                              that run, recorded (``comm.record``)
+                              that run, recorded (``comm.record``), the all-to-all (``comm.alltoall``)
 ``data_parallel/``            gradient averaging, MiniDDP, the training loop and its one-process reference
 ``model_parallel/``           layers split across devices in one process
 ``pipeline_parallel/``        GPipe and 1F1B: schedules, simulation, stages as processes; torch's own pipelining

@@ -9,41 +9,30 @@ repeat the key/value heads when there are fewer of them than ranks; this one tak
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.alltoall import all_to_all
 from ..tensor_parallel.operators import group_rank_and_size
 from .blocks import nbytes, record
 
 
-def _all_to_all(x, group):
-    """``x`` (W, ...) → (W, ...): slice i goes to rank i; slice j of the result came from rank j."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    record(sent=nbytes(x) * (x.shape[0] - 1) // x.shape[0])
+def _exchange(x, group):
+    """``x`` (W, ...) → (W, ...): slice i goes to rank i; slice j of the result came from rank j (the course's
+    differentiable all-to-all with one slice to each rank; its backward is the same exchange, the other way)."""
+    w = x.shape[0]
+    sent = nbytes(x) * (w - 1) // w
+    record(sent=sent)
+    out = all_to_all(x, [1] * w, [1] * w, group)
+    if out.requires_grad:                         # the backward exchange sends as many bytes
+        out.register_hook(lambda grad: record(sent=sent))
     return out
-
-
-class AllToAll(torch.autograd.Function):
-    """An all-to-all of equal slices along dim 0; its backward is the same exchange, the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
 
 
 def sequence_to_heads(x, world_size, group):
     """(b, H, s/W, d), a part of the sequence → (b, H/W, s, d), the whole sequence for this rank's heads."""
     b, h, s_local, d = x.shape
     x = x.reshape(b, world_size, h // world_size, s_local, d).transpose(0, 1)     # slice i: rank i's heads
-    x = AllToAll.apply(x, group)                                                   # slice j: rank j's positions
+    x = _exchange(x, group)                                                   # slice j: rank j's positions
     return x.permute(1, 2, 0, 3, 4).reshape(b, h // world_size, world_size * s_local, d)
 
 
@@ -51,7 +40,7 @@ def heads_to_sequence(x, world_size, group):
     """(b, H/W, s, d) → (b, H, s/W, d): the inverse of :func:`sequence_to_heads`."""
     b, h_local, s, d = x.shape
     x = x.reshape(b, h_local, world_size, s // world_size, d).permute(2, 0, 1, 3, 4)  # slice i: rank i's positions
-    x = AllToAll.apply(x, group)                                                       # slice j: rank j's heads
+    x = _exchange(x, group)                                                       # slice j: rank j's heads
     return x.transpose(0, 1).reshape(b, world_size * h_local, s // world_size, d)
 
 

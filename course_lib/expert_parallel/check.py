@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import hardware
-from .alltoall import AllToAllLog
+from ..comm.alltoall import AllToAllLog
 from .moe import MoE
 
 CASE = {"dim": 6, "hidden": 10, "num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "seed": 0}

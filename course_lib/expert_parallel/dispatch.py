@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .alltoall import all_to_all
+from ..comm.alltoall import all_to_all
 
 
 def dispatch_combine(x, expert, gate, num_experts, local_experts, group=None):

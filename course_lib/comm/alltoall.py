@@ -1,4 +1,5 @@
-"""The all-to-all that carries tokens to their experts, differentiable, and a log of the all-to-alls that ran.
+"""The all-to-all, differentiable, and a log of the all-to-alls that ran: it carries tokens to their experts
+(notebook 16) and trades a sequence split for a head split (Ulysses, notebook 15).
 
 In an **all-to-all** every rank sends a different piece of its tensor to every rank (itself included) and receives
 one piece from each. ``dist.all_to_all_single(out, x, out_splits, in_splits)`` cuts ``x`` along dim 0: the first
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm.record import Phased
+from .record import Phased
 
 
 class AllToAll(torch.autograd.Function):
