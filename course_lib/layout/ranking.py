@@ -1,7 +1,8 @@
 """The planner: predict every layout, keep those that fit, rank them by step time, and say why the winner wins.
 
-**The rule.** A layout is a candidate when its fullest GPU's bytes fit in 90% of the GPU's memory (the rest is
-the CUDA context, NCCL's buffers and the allocator's fragmentation: ``course_lib.memory.arithmetic.fits``).
+**The rule.** A layout is a candidate when its fullest GPU's bytes fit in :attr:`.shapes.Cluster.limit_gib`: the
+memory the driver reports, less a stated reserve for the CUDA context and NCCL's buffers, less a stated share for
+the allocator's fragmentation (74.2 GiB of an H100's 79.6: :func:`.shapes.h100_cluster`).
 Candidates are ranked by predicted **seconds per step** for the same global batch, fastest first: the same
 work in less time is the same as a higher MFU. Bytes sent are not the criterion: a byte on NVLink costs
 a ninth of a byte on the network (450 against 50 GB/s on an H100 node), and a byte hidden under compute costs
@@ -10,7 +11,6 @@ nothing. (The course's first planner ranked by tensor-parallel bytes before data
 """
 from __future__ import annotations
 
-from ..memory.arithmetic import fits
 from .memory import memory_per_gpu
 from .shapes import Cluster, Model
 from .space import Layout, enumerate_layouts
@@ -24,10 +24,12 @@ TERM_WORDS = {"compute": "compute", "recompute": "recomputation's extra forward"
 
 def predict(layout: Layout, model: Model, cluster: Cluster, efficiency: float = EFFICIENCY) -> dict:
     """Everything the planner knows about one layout: ``"memory"`` (bytes by part, the fullest stage),
-    ``"gib"``, ``"fits"``, ``"time"`` (seconds by term, ``"step"``, ``"mfu"``), ``"name"``."""
+    ``"gib"``, ``"limit_gib"`` (:attr:`.shapes.Cluster.limit_gib`), ``"fits"`` (``gib <= limit_gib``),
+    ``"time"`` (seconds by term, ``"step"``, ``"mfu"``), ``"name"``."""
     mem = memory_per_gpu(model, layout)
-    return {"layout": layout, "name": layout.name(), "memory": mem, "gib": mem["total"] / 2**30,
-            "fits": fits(mem, cluster.gib_per_gpu), "time": step_time(model, cluster, layout, efficiency)}
+    gib = mem["total"] / 2**30
+    return {"layout": layout, "name": layout.name(), "memory": mem, "gib": gib, "limit_gib": cluster.limit_gib,
+            "fits": gib <= cluster.limit_gib, "time": step_time(model, cluster, layout, efficiency)}
 
 
 def rank(model: Model, cluster: Cluster, global_batch: int | None = None, micro_batches=(1, 2, 4),

@@ -26,6 +26,10 @@ from dataclasses import dataclass, replace
 from ..tensor_parallel.cost import H100_BF16_DENSE_FLOPS, INFINIBAND, NVLINK
 
 ATTENTION = ("fused", "eager")
+H100_TOTAL_MIB = 81559        # nvidia-smi's "Total" memory of an H100 80GB HBM3 (SXM): 79.6 GiB
+CUDA_RESERVE_GIB = 1.5        # assumed: CUDA context (~0.5 GiB), cuBLAS workspace, NCCL buffers (~1 GiB)
+FRAGMENTATION = 0.05          # assumed: share of the rest the caching allocator loses to fragmentation
+H100_HBM_BANDWIDTH = 3.35e12  # H100 SXM data sheet: HBM3, 3.35 TB/s
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,9 @@ class Model:
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` nodes of ``gpus_per_node`` GPUs. Bandwidths in bytes/s per GPU per direction, latencies in s;
-    ``peak_flops``: the data sheet's dense bf16 rate of one GPU."""
+    ``peak_flops``: the data sheet's dense bf16 rate of one GPU; ``gib_per_gpu``: the memory the driver reports
+    (GiB, 2³⁰ bytes); ``reserve_gib``: what training cannot use (:attr:`limit_gib`); ``hbm_bandwidth``: the
+    GPU's memory bandwidth, bytes/s (what memory-bound work such as the optimizer's step runs at)."""
 
     name: str
     gpus_per_node: int
@@ -96,10 +102,18 @@ class Cluster:
     nvlink_latency: float
     network_bandwidth: float
     network_latency: float
+    reserve_gib: float = 0.0
+    hbm_bandwidth: float = 3.35e12
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def limit_gib(self) -> float:
+        """GiB a layout may use on one GPU: the memory the driver reports, less ``reserve_gib`` (the CUDA context,
+        cuBLAS's workspace, NCCL's buffers), less the allocator's :data:`FRAGMENTATION` share of the rest."""
+        return (self.gib_per_gpu - self.reserve_gib) * (1 - FRAGMENTATION)
 
     def link(self, inside_node: bool) -> tuple[float, float]:
         """(α, β) of the link a group uses: NVLink inside a node, the GPU's network port between nodes."""
@@ -114,14 +128,18 @@ class Cluster:
 def h100_cluster(nodes: int = 8) -> Cluster:
     """Nodes of 8 H100 SXM 80 GB (an HGX/DGX H100), the figures :mod:`course_lib.tensor_parallel.cost` cites:
 
-    * NVIDIA H100 data sheet, SXM column: bf16 Tensor Core 1,979 TFLOP/s *with sparsity*, so 989 dense; 80 GB
-      of HBM3 (80·10⁹ bytes, 74.5 GiB: the planner counts in GiB); NVLink 4 at 900 GB/s per GPU both ways,
-      450 GB/s per direction;
+    * NVIDIA H100 data sheet, SXM column: bf16 Tensor Core 1,979 TFLOP/s *with sparsity*, so 989 dense; "80 GB"
+      of HBM3 at 3.35 TB/s; NVLink 4 at 900 GB/s per GPU both ways, 450 GB/s per direction;
+    * memory: ``nvidia-smi`` reports a total of :data:`H100_TOTAL_MIB` = 81,559 MiB (79.6 GiB: the 80 GiB of HBM3
+      less what the driver keeps for ECC and its own use), not 80·10⁹ bytes (74.5 GiB). Of that,
+      :data:`CUDA_RESERVE_GIB` goes to the CUDA context, cuBLAS's workspace and NCCL's buffers, and
+      :data:`FRAGMENTATION` of the rest to the caching allocator's fragmentation (both assumed, stated):
+      :attr:`Cluster.limit_gib` = (79.6 − 1.5) × 0.95 = 74.2 GiB a layout may use;
     * NVIDIA DGX H100 data sheet: one 400 Gb/s InfiniBand NDR port (ConnectX-7) per GPU: 50 GB/s per direction;
     * α: 2 µs on NVLink, 5 µs on the network, assumed (notebook 02 fits them to a real machine).
     """
-    return Cluster(f"{nodes} x 8 H100 SXM 80 GB", 8, nodes, 80e9 / 2**30, H100_BF16_DENSE_FLOPS,
-                   1 / NVLINK[1], NVLINK[0], 1 / INFINIBAND[1], INFINIBAND[0])
+    return Cluster(f"{nodes} x 8 H100 SXM 80 GB", 8, nodes, H100_TOTAL_MIB / 1024, H100_BF16_DENSE_FLOPS,
+                   1 / NVLINK[1], NVLINK[0], 1 / INFINIBAND[1], INFINIBAND[0], CUDA_RESERVE_GIB, H100_HBM_BANDWIDTH)
 
 
 # Shapes from the models' published config.json files (Meta's Llama 3 release, Hugging Face hub:
