@@ -150,6 +150,55 @@ def test_all_reduce_wrong_answers_are_explained():
         assert fb.status == WRONG and phrase in fb.message, fb
 
 
+def ring_with(t, exchange_step):
+    """The reference ring with each step's send and receive done by ``exchange_step(send, dst, recv, src)``."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(t.view(-1).tensor_split(n))
+    incoming = torch.empty_like(chunks[0])
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        buf = incoming[: chunks[recv_i].numel()]
+        exchange_step(chunks[send_i], right, buf, left)
+        chunks[recv_i] += buf
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        exchange_step(chunks[send_i], right, chunks[recv_i], left)
+
+
+def isend_then_irecv(send, dst, recv, src):     # both posted before waiting: fine on Gloo, a hang on NCCL
+    for request in [dist.isend(send, dst), dist.irecv(recv, src)]:
+        request.wait()
+
+
+def batched_inline(send, dst, recv, src):       # a learner's own batch_isend_irecv, not the library's helper
+    ops = [dist.P2POp(dist.isend, send, dst), dist.P2POp(dist.irecv, recv, src)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def test_ring_check_sees_how_sends_and_receives_are_paired():
+    assert ex02.check_all_reduce(lambda t: ring_with(t, batched_inline)).status == PASSED
+    fb = ex02.check_all_reduce(lambda t: ring_with(t, isend_then_irecv))     # passes on Gloo by value
+    assert fb.status == WRONG and "NCCL" in fb.message and "deadlock" in fb.message, fb
+    assert "batch_isend_irecv" in fb.message, fb
+
+
+def test_nccl_replay_by_hand():
+    send, recv = "send", "recv"
+    naive = [[[(recv, 1)], [(recv, 2)], [(send, 1)], [(send, 2)]], [[(send, 0)], [(recv, 0)]],
+             [[(send, 0)], [(recv, 0)]]]
+    assert ex02.nccl_deadlock(naive) is None                       # rank 0 receives in turn: no cycle
+    ring = [[[(send, (r + 1) % 3)], [(recv, (r - 1) % 3)]] for r in range(3)]
+    assert ex02.nccl_deadlock(ring) == [(r, [(send, (r + 1) % 3)]) for r in range(3)]
+    batched = [[[(send, (r + 1) % 3), (recv, (r - 1) % 3)]] for r in range(3)]
+    assert ex02.nccl_deadlock(batched) is None
+    odd_even = [[[(send, 1)], [(recv, 1)]], [[(recv, 0)], [(send, 0)]]]   # one sends first, the other receives
+    assert ex02.nccl_deadlock(odd_even) is None
+    assert ex02.nccl_deadlock([[[(recv, None)]], [[(send, 0)]]]) is None  # a receive from any source
+    assert ex02.nccl_deadlock([[[(recv, 1)]], []]) == [(0, [(recv, 1)])]  # a receive nobody serves
+
+
 # ---- notebook 03: averaging gradients by hand --------------------------------------------------------------
 from course_lib.data_parallel import average_gradients  # noqa: E402
 from course_lib.exercises import ex03  # noqa: E402
@@ -212,3 +261,101 @@ def test_overlapped_averaging_check():
     for (launch, finish), phrase in cases:
         fb = ex03.check_overlapped_averaging(launch, finish)
         assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def bucketed(wait_at_once=False, keep_bucket=False, no_division=False, blocking=False, per_parameter=False,
+             launch_in_finish_only=False, divide_every_parameter=False):
+    """The reference bucketed averaging with one of the usual mistakes switched on."""
+    def attempt(model, cap):
+        world_size = dist.get_world_size()
+        bucket, launched = [], []
+
+        def launch():
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            work = dist.all_reduce(flat, async_op=not blocking)
+            if wait_at_once:
+                work.wait()
+            launched.append((list(bucket), flat, work))
+            if not keep_bucket:
+                bucket.clear()
+
+        def hook(p):
+            bucket.append(p)
+            full = sum(q.grad.numel() * q.grad.element_size() for q in bucket) >= cap
+            if (full or per_parameter) and not launch_in_finish_only:
+                launch()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+        def finish():
+            if bucket:
+                launch()
+            for params, flat, work in launched:
+                if work is not None and not blocking:
+                    work.wait()
+                if not no_division:
+                    flat /= world_size
+                for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad.copy_(piece.view_as(p))
+            if divide_every_parameter:
+                for p in model.parameters():
+                    p.grad /= 1
+            launched.clear()
+            bucket.clear()
+        return finish
+    return attempt
+
+
+def fixed_buckets_waiting_for_every_parameter(model, cap):
+    """Buckets fixed up front from all parameters; a bucket launches when all its gradients arrived, so the bucket
+    holding the parameter that never gets a gradient never launches."""
+    world_size = dist.get_world_size()
+    buckets, size = [[]], 0
+    for p in reversed(list(model.parameters())):
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append([])
+            size = 0
+    missing = {i: len(b) for i, b in enumerate(buckets)}
+    where = {p: i for i, b in enumerate(buckets) for p in b}
+    launched = []
+
+    def hook(p):
+        i = where[p]
+        missing[i] -= 1
+        if missing[i] == 0:
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
+            launched.append((buckets[i], flat, dist.all_reduce(flat, async_op=True)))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for params, flat, work in launched:
+            work.wait()
+            flat /= world_size
+            for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(piece.view_as(p))
+        launched.clear()
+        missing.update({i: len(b) for i, b in enumerate(buckets)})
+    return finish
+
+
+def test_bucketed_averaging_check_passes_the_reference_and_names_each_mistake():
+    fb = ex03.check_bucketed_averaging(ex03.bucketed_averaging)
+    assert fb.status == PASSED, fb
+
+    def stub(model, cap):
+        raise NotImplementedError
+    assert ex03.check_bucketed_averaging(stub).status == NOT_ATTEMPTED
+    cases = [(bucketed(wait_at_once=True), "waiting at once"),
+             (bucketed(keep_bucket=True), "a bucket was launched twice"),
+             (fixed_buckets_waiting_for_every_parameter, "never gets a gradient"),
+             (bucketed(divide_every_parameter=True), "never gets a gradient"),
+             (bucketed(no_division=True), "2 times too large"),
+             (bucketed(blocking=True), "blocks (async_op=False)"),
+             (bucketed(per_parameter=True), "one all-reduce per parameter"),
+             (bucketed(launch_in_finish_only=True), "no all-reduce started during backward")]
+    for attempt, phrase in cases:
+        fb = ex03.check_bucketed_averaging(attempt)
+        assert fb.status == WRONG and phrase in fb.message, (phrase, fb)
