@@ -1,7 +1,12 @@
-"""Notebook 07's exercise check: passes the reference, 'not attempted yet' for the stub, names each known mistake."""
-import pytest
+"""Notebook 07's exercise checks: pass the reference, 'not attempted yet' for the stub, name each known mistake."""
+import time
 
+import pytest
+import torch
+
+from course_lib import pipeline_parallel as P
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex07
+from course_lib.launch import run
 from course_lib.pipeline_parallel import schedule, simulate_plan
 
 
@@ -78,3 +83,88 @@ def test_missing_ops_and_bad_formats_are_named():
 def test_the_simulator_refuses_what_is_not_an_op():
     with pytest.raises(ValueError, match="is not an op"):
         simulate_plan([[("F", 0), "B0"]])
+
+
+# ------------------------------------------------------------------------------------------ one stage's loop
+def stage_loop(blocking_send=False, early_forward=False, early_backward=False, loss_scale="1/m"):
+    """One stage's loop as a learner might write it: blocking receives, isends; the keywords put one mistake in."""
+    def my_stage_loop(stage, ops, rank, world_size, xs, ys, comm):
+        import torch.nn.functional as F
+        first, last, m = rank == 0, rank == world_size - 1, len(xs)
+        inputs, outputs, sends = {}, {}, []
+
+        def send(t, dst):
+            if blocking_send:
+                comm.send(t, dst)
+            else:
+                sends.append(comm.isend(t, dst))
+
+        def receive(like, src, early):
+            buf = like.new_empty(like.shape)
+            h = comm.irecv(buf, src)
+            if not early:
+                h.wait()
+            return buf
+        for op, i in ops:
+            if op == "F":
+                inp = xs[i].clone() if first else receive(xs[i], rank - 1, early_forward)
+                inp.requires_grad_()
+                out = stage(inp)
+                inputs[i], outputs[i] = inp, out
+                if not last:
+                    send(out.detach(), rank + 1)
+            else:
+                if last:
+                    loss = F.mse_loss(outputs[i], ys[i])
+                    (loss / m if loss_scale == "1/m" else loss).backward()
+                else:
+                    outputs[i].backward(receive(xs[i], rank + 1, early_backward))
+                if not first:
+                    send(inputs[i].grad, rank - 1)
+        for h in sends:
+            h.wait()
+    return my_stage_loop
+
+
+def test_the_stage_loop_reference_and_a_learners_right_answer_pass():
+    assert ex07.check_stage_loop(ex07.reference_stage_loop).status == PASSED
+    assert ex07.check_stage_loop(stage_loop()).status == PASSED
+
+
+def test_the_stage_loop_stub_is_not_attempted():
+    def my_stage_loop(stage, ops, rank, world_size, xs, ys, comm):
+        raise NotImplementedError
+    assert ex07.check_stage_loop(my_stage_loop).status == NOT_ATTEMPTED
+
+
+def test_blocking_sends_on_both_neighbours_are_named_as_a_deadlock_within_seconds():
+    start = time.monotonic()
+    fb = ex07.check_stage_loop(stage_loop(blocking_send=True))
+    assert fb.status == WRONG, fb
+    assert "1f1b deadlocks" in fb.message and "these two neighbours both sent first" in fb.message, fb.message
+    assert "It ran GPipe" in fb.message                      # the same loop is fine when nothing crosses
+    assert time.monotonic() - start < 45
+
+
+def test_a_backward_before_its_gradient_arrived_is_named():
+    fb = ex07.check_stage_loop(stage_loop(early_backward=True))
+    assert fb.status == WRONG and "ran a backward before the gradient of its forward's output arrived" in fb.message
+
+
+def test_a_forward_before_its_input_arrived_is_named():
+    fb = ex07.check_stage_loop(stage_loop(early_forward=True))
+    assert fb.status == WRONG and "ran a forward on its input before it arrived" in fb.message, fb.message
+
+
+def test_the_loss_scaled_by_1_instead_of_1_over_m_is_named():
+    fb = ex07.check_stage_loop(stage_loop(loss_scale="1"))
+    assert fb.status == WRONG and "4 = m times the whole model's" in fb.message, fb.message
+
+
+def test_the_library_stage_step_is_the_reference_and_pipeline_worker_runs_it():
+    """The notebook's listing (stage_step) is what pipeline_worker runs: equal gradients, with or without the clock."""
+    expected = ex07._full_grads()
+    res = run(P.pipeline_worker, ex07.STAGES, "1f1b", ex07.MICRO_BATCHES, ex07.BATCH, ex07.WIDTH, ex07.LAYERS,
+              backend="gloo", show_output=False)
+    for r, es in zip(res, expected):
+        assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(r["grads"], es))

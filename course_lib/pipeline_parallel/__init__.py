@@ -12,6 +12,7 @@ from .schedules import KINDS, bubble_formula, bubble_overhead, peak_in_flight, p
 from .stages import (
            BALANCED,
            UNDISTURBED,
+           StageClock,
            make_batch,
            make_full_model,
            make_stage,
@@ -22,6 +23,7 @@ from .stages import (
            rank_imbalance,
            replayed,
            shift_to_common_origin,
+           stage_step,
            stretch,
            typical_costs,
 )
@@ -29,4 +31,4 @@ from .stages import (
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
            "measured_makespan", "replayed", "rank_imbalance", "typical_costs", "stretch", "UNDISTURBED", "BALANCED",
-           "most_balanced", "shift_to_common_origin"]
+           "most_balanced", "shift_to_common_origin", "stage_step", "StageClock"]

@@ -6,6 +6,7 @@ start and end are recorded on a clock all the ranks share.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -34,82 +35,107 @@ def make_batch(batch: int, width: int, seed: int = 1):
 
 
 def pipeline_worker(rank: int, world_size: int, kind: str, micro_batches: int, batch: int = 64, width: int = 64,
-                    layers_per_stage: int = 2) -> dict:
+                    layers_per_stage: int = 2, stage_fn=None) -> dict:
     """Run one training step of a ``world_size``-stage pipeline with schedule ``kind``.
 
-    Rank s holds stage s. Stage 0 reads the input, the last stage computes the loss (mean squared error
-    over the whole batch: each micro-batch's loss is weighted by its share of the batch, so uneven
-    micro-batches are right too). Returns the stage's gradients, what it held at most, and when each op
-    ran: ``(op, micro_batch, stage, cpu, start, end)``, start and end in seconds since the moment the first rank
-    started (``perf_counter`` is one clock for all the processes of a machine, so the ranks' timelines line up),
-    ``cpu`` the CPU time the op took (less than end - start when the operating system gave the core to another
-    program meanwhile).
+    Rank s holds stage s, built by ``stage_fn(rank, width, layers_per_stage)`` (default :func:`make_stage`; pass
+    your own to try unequal stages). Stage 0 reads the input, the last stage computes the loss (mean squared error
+    over the whole batch: each micro-batch's loss is weighted by its share of the batch, so uneven micro-batches
+    are right too). The algorithm is :func:`stage_step`; :class:`StageClock` does the rest. Returns the stage's
+    gradients, what it held at most, and when each op ran: ``(op, micro_batch, stage, cpu, start, end)``, start
+    and end in seconds since the moment the first rank started (``perf_counter`` is one clock for all the
+    processes of a machine, so the ranks' timelines line up), ``cpu`` the CPU time the op took (less than
+    end - start when the operating system gave the core to another program meanwhile).
     """
-    torch.set_flush_denormal(True)  # tiny gradients as denormal floats make CPU arithmetic 10-100x slower
-    stage = make_stage(rank, width, layers_per_stage)
+    stage = (stage_fn or make_stage)(rank, width, layers_per_stage)
     x, y = make_batch(batch, width)
     xs, ys = x.tensor_split(micro_batches), y.tensor_split(micro_batches)
+    clock = StageClock(rank, stage, xs)
+    peak = stage_step(stage, schedule(kind, world_size, micro_batches)[rank], rank, world_size, xs, ys, clock=clock)
+    total = clock.total()
+    return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
+            "timeline": clock.timeline(), "total": total}
+
+
+def stage_step(stage: nn.Module, ops: list, rank: int, world_size: int, xs, ys, comm=dist, clock=None) -> int:
+    """One training step of stage ``rank``: its ``ops`` (``("F", i)``, ``("B", i)``) in order; returns the most
+    micro-batches whose activations it held at once. ``xs``, ``ys``: the micro-batches (the first stage reads
+    ``xs``, the last ``ys``). ``comm`` sends and receives (``torch.distributed``, or anything with its
+    ``isend``/``irecv``); ``clock(op, i)``, a context manager, times each forward and backward (see
+    :class:`StageClock`)."""
+    clock = clock or (lambda op, i: contextlib.nullcontext())
     first, last = rank == 0, rank == world_size - 1
-    for size in sorted({len(b) for b in xs}):   # warm up: the first backward of a shape is slow (kernel set-up)
-        out = stage(torch.randn(size, width, requires_grad=True))
-        out.backward(torch.randn_like(out))
-    stage.zero_grad(set_to_none=True)
+    batch = sum(len(y) for y in ys)
+    # Post every receive at once: each message then lands while this stage is busy with something else
+    # (messages between two ranks arrive in the order they were sent).
+    acts = {i: torch.empty_like(xs[i]) for op, i in ops if op == "F"} if not first else {}
+    grads = {i: torch.empty_like(xs[i]) for op, i in ops if op == "B"} if not last else {}
+    pending = {("F", i): comm.irecv(acts[i], src=rank - 1) for i in acts}
+    pending.update({("B", i): comm.irecv(grads[i], src=rank + 1) for i in grads})
     inputs, outputs, sends = {}, {}, []
     held = peak = 0
-    timeline = []
-    dist.barrier()
-    t0 = time.perf_counter()
-
-    def now() -> tuple[float, float]:
-        return time.thread_time(), time.perf_counter() - t0
-
-    def note(op: str, i: int, start: tuple[float, float]) -> None:
-        cpu, end = now()
-        timeline.append((op, i, rank, cpu - start[0], start[1], end))
-
-    # Post every receive at once: each message then lands while this stage is busy with something else,
-    # instead of after it asks (messages between two ranks arrive in the order they were sent).
-    acts = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not first else {}
-    grads = {i: torch.empty(len(xs[i]), width) for i in range(micro_batches)} if not last else {}
-    pending = {("F", i): dist.irecv(acts[i], src=rank - 1) for i in range(micro_batches)} if not first else {}
-    order_b = [i for op, i in schedule(kind, world_size, micro_batches)[rank] if op == "B"]
-    pending.update({("B", i): dist.irecv(grads[i], src=rank + 1) for i in order_b} if not last else {})
-    for op, i in schedule(kind, world_size, micro_batches)[rank]:
+    for op, i in ops:
         if op == "F":
-            if first:   # its input gets a gradient too, only so that every stage does equal work (the
-                inp = xs[i].clone().requires_grad_()   # bubble formula assumes equal stages)
+            if first:   # its input gets a gradient too, only so that every stage does equal work
+                inp = xs[i].clone().requires_grad_()
             else:
                 pending.pop(("F", i)).wait()
                 inp = acts.pop(i).requires_grad_()
-            start = now()
-            out = stage(inp)
-            note("F", i, start)
+            with clock("F", i):
+                out = stage(inp)
             inputs[i], outputs[i] = inp, out
             held += 1
             peak = max(peak, held)
             if not last:
-                sends.append(dist.isend(out.detach(), dst=rank + 1))
+                sends.append(comm.isend(out.detach(), dst=rank + 1))
         else:
-            if last:
-                start = now()
-                loss = F.mse_loss(outputs[i], ys[i]) * len(ys[i]) / batch
-                loss.backward()
+            if last:    # the loss of micro-batch i, weighted by its share of the batch (1/m for equal ones)
+                with clock("B", i):
+                    (F.mse_loss(outputs[i], ys[i]) * len(ys[i]) / batch).backward()
             else:
                 pending.pop(("B", i)).wait()
-                start = now()
-                outputs[i].backward(grads.pop(i))
-            note("B", i, start)
+                with clock("B", i):
+                    outputs[i].backward(grads.pop(i))
             if not first:
-                sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
+                sends.append(comm.isend(inputs[i].grad, dst=rank - 1))
             del inputs[i], outputs[i]  # this micro-batch's activations can go
             held -= 1
     for s in sends:
         s.wait()
-    total = time.perf_counter() - t0
-    shift = shift_to_common_origin(t0)
-    timeline = [(op, i, s, cpu, a + shift, b + shift) for op, i, s, cpu, a, b in timeline]
-    return {"grads": [p.grad.clone() for p in stage.parameters()], "peak_in_flight": peak,
-            "timeline": timeline, "total": total}
+    return peak
+
+
+class StageClock:
+    """What :func:`pipeline_worker` does around :func:`stage_step`, so that the step measures the schedule.
+
+    Made before the step: it flushes denormal floats to zero (tiny gradients as denormals make CPU arithmetic
+    10-100x slower), warms the stage up (the first backward of a shape is slow: kernel set-up), and starts the
+    clock after a barrier. Called as ``clock(op, i)`` it is a context manager that notes the op's CPU time
+    (``time.thread_time``) and its start and end on the wall clock; :meth:`timeline` counts them from the
+    earliest rank's start (a collective: every rank calls it)."""
+
+    def __init__(self, rank: int, stage: nn.Module, xs) -> None:
+        torch.set_flush_denormal(True)
+        for size in sorted({len(b) for b in xs}):
+            out = stage(torch.randn(size, xs[0].shape[1], requires_grad=True))
+            out.backward(torch.randn_like(out))
+        stage.zero_grad(set_to_none=True)
+        self.rank, self.ops = rank, []
+        dist.barrier()
+        self.t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, op: str, i: int):
+        cpu, start = time.thread_time(), time.perf_counter() - self.t0
+        yield
+        self.ops.append((op, i, self.rank, time.thread_time() - cpu, start, time.perf_counter() - self.t0))
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def timeline(self) -> list[tuple]:
+        shift = shift_to_common_origin(self.t0)
+        return [(op, i, s, cpu, a + shift, b + shift) for op, i, s, cpu, a, b in self.ops]
 
 
 def shift_to_common_origin(t0: float) -> float:
