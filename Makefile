@@ -21,7 +21,7 @@ STAMP := $(VENV)/.course-installed-$(subst $(comma),-,$(EXTRAS))
 # JupyterLab refuses to start as root (Docker containers, cloud GPU VMs) unless told it may.
 ROOT_ARGS := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
-.PHONY: setup lab test test-lib lint doctor clean
+.PHONY: setup lab test test-lib lint doctor clean hub hub-env hub-stop hub-status hub-roster
 
 setup: $(STAMP)
 
@@ -49,3 +49,50 @@ doctor: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# One VM for a class (README, "For instructors"): JupyterHub with a seat (GPUs, a port block, a home with the
+# notebooks) per learner, bound to 127.0.0.1. As root:
+#   export COURSE_HUB_PASSWORD=... COURSE_HUB_ADMIN_PASSWORD=...   (never in a file)
+#   make hub LEARNERS=4 GPUS_PER_LEARNER=2      make hub-stop      make hub-roster LEARNERS=4 (a dry run)
+# GPUS_PER_LEARNER empty: the GPUs shared out evenly; 0: a CPU class. The environment is a venv under HUB_PREFIX
+# (the learners run it: not under /root, course_lib installed non-editable).
+HUB_PREFIX ?= /opt/course-hub
+# The learners run the hub's Python: a system one (a pyenv or conda Python under /root is closed to them).
+HUB_PYTHON ?= $(firstword $(wildcard /usr/bin/python3) $(PYTHON))
+LEARNERS ?= 2
+GPUS_PER_LEARNER ?=
+LEARNER_NAMES ?=
+HUB_PORT ?= 8000
+HUB_PORT_BASE ?= 20000
+HUB_PORT_BLOCK ?= 100
+HUB_PROXY_VERSION ?= 5
+HUB_BIN := $(HUB_PREFIX)/venv/bin
+HUB_STAMP := $(HUB_PREFIX)/venv/.course-installed
+HUB_ARGS = --prefix $(HUB_PREFIX) --learners $(LEARNERS) --gpus-per-learner "$(GPUS_PER_LEARNER)" \
+	--names "$(LEARNER_NAMES)" --port $(HUB_PORT) --port-base $(HUB_PORT_BASE) --port-block $(HUB_PORT_BLOCK)
+
+hub-env: $(HUB_STAMP)
+
+$(HUB_STAMP): pyproject.toml course_lib/requirements.txt $(shell find course_lib -name '*.py') $(wildcard notebooks/*.ipynb)
+	mkdir -p $(HUB_PREFIX) && chmod 755 $(HUB_PREFIX)
+	test -x $(HUB_BIN)/python || $(HUB_PYTHON) -m venv $(HUB_PREFIX)/venv
+	$(HUB_BIN)/python -m pip install --quiet --upgrade pip
+	$(HUB_BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_PIP_ARGS)
+	$(HUB_BIN)/python -m pip install --quiet --force-reinstall --no-deps .
+	$(HUB_BIN)/python -m pip install --quiet ".[hub]"
+	cd / && $(HUB_BIN)/python -m course_lib.hub prepare --prefix $(HUB_PREFIX) --notebooks $(CURDIR)/notebooks \
+		--proxy-version $(HUB_PROXY_VERSION)
+	touch $(HUB_STAMP)
+
+hub: hub-env
+	cd / && $(HUB_BIN)/python -m course_lib.hub up $(HUB_ARGS)
+
+hub-roster: hub-env
+	cd / && $(HUB_BIN)/python -m course_lib.hub roster $(HUB_ARGS)
+
+hub-stop:
+	@test -x $(HUB_BIN)/python || { echo "hub: no hub environment in $(HUB_PREFIX)"; exit 1; }
+	cd / && $(HUB_BIN)/python -m course_lib.hub stop --prefix $(HUB_PREFIX)
+
+hub-status:
+	cd / && $(HUB_BIN)/python -m course_lib.hub status --prefix $(HUB_PREFIX)
