@@ -16,7 +16,8 @@ from .shapes import Cluster, Model
 from .space import Layout, enumerate_layouts
 from .timing import EFFICIENCY, TERMS, step_time
 
-TERM_WORDS = {"compute": "compute", "recompute": "recomputation's extra forward",
+TERM_WORDS = {"compute": "compute", "imbalance": "the slowest pipeline stage's extra compute (the LM head)",
+              "recompute": "recomputation's extra forward",
               "tp": "tensor-parallel collectives", "cp": "exposed context-parallel transfers",
               "dp": "exposed gradient and weight collectives (data parallel / ZeRO)",
               "pp_p2p": "pipeline sends", "bubble": "the pipeline bubble"}
