@@ -73,3 +73,36 @@ def test_explorer_redraws_when_driven_in_code():
     assert ex.state["after"] == [[sum(10.0 * r + i + 1 for r in range(5))] for i in range(5)]
     with pytest.raises(ValueError, match="between 1 and 16"):
         collective_state("broadcast", 0)
+
+
+def test_hierarchical_state_follows_the_three_phases():
+    nodes, g = 3, 4
+    everyone = frozenset((j, k) for j in range(nodes) for k in range(g))
+    start, inside, across, end = (viz.hierarchical_state(nodes, g, p) for p in range(4))
+    assert start[1][2] == {c: frozenset({(1, 2)}) for c in range(g)}            # only its own data
+    assert inside[1][2] == {2: frozenset((1, k) for k in range(g))}              # node 1's sum of chunk 2
+    assert across[1][2] == {2: everyone}                                         # everyone's sum of chunk 2
+    assert all(cell == {c: everyone for c in range(g)} for row in end for cell in row)
+    with pytest.raises(ValueError, match="phase must be"):
+        viz.hierarchical_state(nodes, g, 4)
+
+
+def test_hierarchical_picture_draws_the_state():
+    fig = viz.draw_hierarchical_all_reduce(2, 4)
+    texts = [sorted(t.get_text() for t in ax.texts if t.get_text()) for ax in fig.axes]   # not the arrows
+    assert texts[0] == sorted(f"c{k}: n{j}" for j in range(2) for k in range(4))
+    assert texts[1] == sorted(f"c{k}: all" for j in range(2) for k in range(4))
+    assert texts[2] == ["all chunks\nall"] * 8
+
+
+def test_flat_vs_two_level_bars_carry_their_values():
+    fig = viz.plot_flat_vs_two_level([8, 64], {"Ethernet": [0.56, 0.63]}, [0.016, 0.035])
+    heights = sorted(round(p.get_height(), 3) for p in fig.axes[0].patches)
+    assert heights == [0.016, 0.035, 0.56, 0.63]
+
+
+def test_rendezvous_picture_has_every_rank_and_every_pair():
+    fig = viz.draw_rendezvous(4)
+    store, direct = fig.axes
+    assert sum(t.get_text().startswith("set hello/") for t in store.texts) == 4
+    assert len(direct.lines) == 4 * 3 // 2                                       # one connection per pair

@@ -11,7 +11,9 @@
 
 ``from course_lib import viz`` gives every drawing function and ``show_source``.
 """
-from .collectives import collective_texts, draw_barrier, draw_collective, draw_ring_state, owner, plot_all_reduce_sweep
+from .collectives import (collective_texts, draw_barrier, draw_collective, draw_hierarchical_all_reduce,
+                          draw_rendezvous, draw_ring_state, hierarchical_state, owner, plot_all_reduce_sweep,
+                          plot_flat_vs_two_level)
 from .pipeline import draw_pipeline
 from .sharding import draw_zero_step, zero_step_states
 from .source import show_source
@@ -20,6 +22,7 @@ from .tensor_parallel import draw_holdings, draw_local_parts, draw_matmul_split,
 from .training import draw_bucket_timeline, draw_epoch_orders, draw_sampler, plot_losses
 
 __all__ = ["draw_collective", "collective_texts", "draw_barrier", "draw_ring_state", "plot_all_reduce_sweep",
+           "draw_hierarchical_all_reduce", "hierarchical_state", "plot_flat_vs_two_level", "draw_rendezvous",
            "owner", "draw_pipeline", "draw_sampler", "draw_epoch_orders", "draw_bucket_timeline", "plot_losses",
            "show_source", "rank_color", "draw_matmul_split", "draw_local_parts", "draw_holdings", "holders",
            "draw_zero_step", "zero_step_states"]
