@@ -1,5 +1,7 @@
-"""The capstone calculator: its predictions equal the bytes measured on the course's small transformer (ZeRO
-stages, DDP, tensor parallelism, recomputation), its arithmetic behaves, and its widget is driven in code."""
+"""The bytes-only calculator (``course_lib.memory.planner``, which ``memory.verify`` measures against): its
+predictions equal the bytes measured on the course's small transformer (ZeRO stages, DDP, tensor parallelism,
+recomputation) and its arithmetic behaves; and the layout planner's widget (notebook 17, over ``course_lib.layout``,
+ranked by time) is driven in code."""
 import pytest
 import torch
 
@@ -61,23 +63,28 @@ def test_plan_orders_layouts_and_says_what_fits():
 
 
 def test_layout_planner_widget_is_driven_in_code():
+    """The widget (notebook 17) shows course_lib.layout's ranking by time: its winner, and nothing when nothing fits."""
+    from course_lib.layout import PRESETS, h100_cluster, rank
     from course_lib.viz.widgets import LayoutPlanner, layout_state
-    state = layout_state("6.7 B (32 x 4096)", 2048, 1, 8, 80)
-    assert state["best"] == "DP 8, ZeRO-2" and state["fitting"]
+    state = layout_state("llama-3-70b", 8, 512)
+    ranked = rank(PRESETS["llama-3-70b"], h100_cluster(8), 512, micro_batches=(1, 2, 4))
+    assert state["best"] == ranked[0]["name"] and state["fitting"] == len(ranked)
+    assert [r["name"] for r in state["rows"]] == [r["name"] for r in ranked[:8]]
+    assert state["why"].startswith(ranked[0]["name"])
     p = LayoutPlanner()
-    assert p.state["best"] == state["best"]
-    p.preset.value = "70 B (80 x 8192)"
-    assert p.state["best"] is None and "nothing fits" in p.out.value
-    p.gpus.value = 64
-    assert p.state["best"] is not None and p.state["fitting"][0]["gib"] <= 0.9 * 80
-    p.seq.value = 10_000                                   # the box stops at the model's positions...
-    assert p.seq.value == p.seq.max == 4096 and "error" not in p.state
-    p.preset.value = "course transformer (0.1 M)"          # ...and follows the model chosen
-    assert p.seq.value == 32 and "M parameters" in p.out.value and "error" not in p.state
-    with pytest.raises(ValueError, match="positions"):
-        layout_state("70 B (80 x 8192)", 10_000, 1, 64, 80)
+    assert p.state["best"] == state["best"] and state["best"] in p.out.value and "MFU" in p.out.value
+    p.nodes.value = 1                                       # 70 B on one node of 8 H100s: nothing fits
+    assert p.state["best"] is None and "nothing fits" in p.out.value and "leanest needs" in p.out.value
+    p.preset.value = "llama-3-8b"
+    assert p.state["best"] is not None and p.state["rows"][0]["gib"] <= p.state["rows"][0]["limit_gib"]
+    p.micro.value = 1
+    assert all(r["layout"].micro_batch == 1 for r in p.state["rows"]) and "up to 1" in p.out.value
+    p.preset.value = "tiny"
+    assert "M parameters" in p.out.value
     with pytest.raises(ValueError, match="unknown model"):
-        layout_state("GPT-5", 1, 1, 1, 80)
+        layout_state("GPT-5", 1, 1)
+    with pytest.raises(ValueError, match="at least one node"):
+        layout_state("tiny", 0, 8)
 
 
 def test_fp32_figures_of_the_calculator_use_four_bytes():

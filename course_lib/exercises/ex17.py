@@ -191,7 +191,8 @@ def check_layout_choice(layout, model=None, cluster=None, global_batch: int = 51
     if not mine["fits"]:
         parts = {k: v for k, v in mine["memory"].items() if isinstance(v, (int, float)) and k != "total"}
         biggest = max(parts, key=parts.get)
-        return wrong(f"{layout.name()} needs {mine['gib']:.1f} GiB a GPU, more than 90% of {cluster.gib_per_gpu:.1f}; "
+        limit = mine.get("limit_gib", 0.9 * cluster.gib_per_gpu)
+        return wrong(f"{layout.name()} needs {mine['gib']:.1f} GiB a GPU, more than the {limit:.1f} GiB usable; "
                      f"its largest part is {biggest} ({parts[biggest] / 2**30:.1f} GiB). Shard it further (more tp or "
                      "pp, a higher ZeRO stage) or, for activations, recompute or use smaller micro-batches")
     best = rank(model, cluster, global_batch, micro_batches=(1, 2, 4))[0]

@@ -164,65 +164,68 @@ class ScheduleExplorer(Explorer):
             plt.close(fig)
 
 
-def layout_state(preset: str, seq: int, batch: int, gpus: int, gib_per_gpu: float, dtype: str = "bf16") -> dict:
-    """What :class:`LayoutPlanner` shows: every layout of :func:`course_lib.memory.planner.plan` for the preset
-    model, the ones that fit, and the cheapest that fits (``None`` when none does)."""
-    from ..memory import planner
-    if preset not in planner.PRESETS:
-        raise ValueError(f"unknown model {preset!r}: pick one of {list(planner.PRESETS)}")
-    cfg = planner.PRESETS[preset]
-    rows = planner.plan(cfg, seq, batch, gpus, gib_per_gpu, dtype)
-    fitting = [r for r in rows if r["fits"]]
-    return {"params": planner.param_count(cfg), "rows": rows, "fitting": fitting,
-            "best": planner.layout_name(fitting[0]) if fitting else None}
+def layout_state(preset: str, nodes: int, global_batch: int, largest_micro_batch: int = 4, top: int = 8) -> dict:
+    """What :class:`LayoutPlanner` shows: the layouts of :func:`course_lib.layout.rank` for the preset model
+    (:data:`course_lib.layout.PRESETS`) on ``nodes`` nodes of 8 H100s, ``global_batch`` sequences a step and
+    micro-batches of 1, 2, 4... up to ``largest_micro_batch``: ``"rows"`` (the ``top`` fastest that fit),
+    ``"fitting"`` (how many fit), ``"layouts"`` (how many were priced), ``"best"`` (the winner's name, ``None``
+    when nothing fits) and ``"why"`` (:func:`course_lib.layout.explain` of the winner against the runner-up)."""
+    from .. import layout
+    if preset not in layout.PRESETS:
+        raise ValueError(f"unknown model {preset!r}: pick one of {list(layout.PRESETS)}")
+    if nodes < 1 or global_batch < 1 or largest_micro_batch < 1:
+        raise ValueError(f"need at least one node, sequence and micro-batch, got {nodes}, {global_batch}, "
+                         f"{largest_micro_batch}")
+    sizes = tuple(m for m in (1, 2, 4, 8, 16, 32) if m <= largest_micro_batch)
+    model, cluster = layout.PRESETS[preset], layout.h100_cluster(nodes)
+    every = layout.rank(model, cluster, global_batch, micro_batches=sizes, keep_all=True)
+    fitting = [r for r in every if r["fits"]]
+    why = layout.explain(fitting[0], fitting[1]) if len(fitting) > 1 else ""
+    return {"model": model, "cluster": cluster, "rows": fitting[:top], "fitting": len(fitting),
+            "layouts": len(every), "best": fitting[0]["name"] if fitting else None, "why": why,
+            "leanest_gib": min((r["gib"] for r in every), default=None)}
 
 
 class LayoutPlanner(Explorer):
-    """The capstone calculator (notebook 14): a model, a sequence length, a micro-batch per GPU, a number of GPUs
-    and their memory in; which layouts fit, at what memory, traffic and extra compute, out."""
+    """The course's layout planner (notebook 17): a model, nodes of 8 H100s, a global batch and the largest
+    micro-batch in; the layouts that fit, ranked by predicted step time, with each term and the MFU, out."""
 
-    def __init__(self, preset: str = "6.7 B (32 x 4096)", seq: int = 2048, batch: int = 1, gpus: int = 8,
-                 gib_per_gpu: float = 80.0, dtype: str = "bf16"):
-        from ..memory import planner
-        self.preset = W.Dropdown(options=list(planner.PRESETS), value=preset, description="model",
-                                 layout=W.Layout(width="320px"))
-        self._presets = planner.PRESETS
-        self.seq = W.BoundedIntText(value=seq, min=1, max=planner.PRESETS[preset].seq_len, description="sequence")
-        self.batch = W.BoundedIntText(value=batch, min=1, max=100_000, description="micro-batch")
-        self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs")
-        self.gib = W.BoundedFloatText(value=gib_per_gpu, min=1, max=100_000, step=8, description="GiB per GPU")
-        self.dtype = W.Dropdown(options=["bf16", "fp16", "fp32"], value=dtype, description="precision")
+    def __init__(self, preset: str = "llama-3-70b", nodes: int = 8, global_batch: int = 512,
+                 largest_micro_batch: int = 4):
+        from .. import layout
+        self.preset = W.Dropdown(options=list(layout.PRESETS), value=preset, description="model",
+                                 layout=W.Layout(width="260px"))
+        self.nodes = W.BoundedIntText(value=nodes, min=1, max=512, description="nodes of 8")
+        self.batch = W.BoundedIntText(value=global_batch, min=1, max=65_536, description="global batch")
+        self.micro = W.Dropdown(options=[1, 2, 4, 8], value=largest_micro_batch, description="micro-batch ≤")
         self.out = W.HTML()
         self.state: dict = {}
-        controls = (self.preset, self.seq, self.batch, self.gpus, self.gib, self.dtype)
-        self.widget = W.VBox([W.HBox(list(controls[:3])), W.HBox(list(controls[3:])), self.out])
-        self.preset.observe(self._bound_sequence, names="value")   # first: a shorter model clamps the sequence
+        controls = (self.preset, self.nodes, self.batch, self.micro)
+        self.widget = W.VBox([W.HBox(list(controls[:2])), W.HBox(list(controls[2:])), self.out])
         for c in controls:
             c.observe(self._update, names="value")
         self._update()
 
-    def _bound_sequence(self, *_):
-        """The sequence box goes no further than the chosen model's positions (it clamps a longer value)."""
-        self.seq.max = self._presets[self.preset.value].seq_len
-
     def _update(self, *_):
-        from ..memory.planner import layout_name
+        from ..layout.timing import TERMS
         try:
-            self.state = layout_state(self.preset.value, self.seq.value, self.batch.value, self.gpus.value,
-                                      self.gib.value, self.dtype.value)
-        except ValueError as e:                   # e.g. a sequence longer than the model's positions
-            self.state, self.out.value = {"error": str(e)}, f"<b>{e}</b>"
+            self.state = layout_state(self.preset.value, self.nodes.value, self.batch.value, self.micro.value)
+        except ValueError as e:                   # e.g. a batch that no layout divides
+            self.state, self.out.value = {"error": str(e), "best": None}, f"<b>{e}</b>"
             return
-        from ..memory import human
-        head = "<tr><th>layout</th><th>memory per GPU</th><th>fits</th><th>sent per step per GPU (data / tensor)</th>" \
-               "<th>extra compute</th></tr>"
-        rows = "".join(f"<tr><td>{layout_name(r)}</td><td>{human(r['gib'] * 2**30)}</td>"
-                       f"<td>{'yes' if r['fits'] else 'no'}</td><td>{human(r['data_gb'] * 1e9)} / "
-                       f"{human(r['tensor_gb'] * 1e9)}</td><td>{r['extra_compute']:.0%}</td></tr>"
-                       for r in self.state["rows"])
-        best = self.state["best"] or "nothing fits: more GPUs, a shorter sequence or a smaller micro-batch"
-        params = self.state["params"]
-        size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-        inputs = (f"{size} parameters, sequence {self.seq.value}, micro-batch {self.batch.value}, "
-                  f"{self.dtype.value}, on {self.gpus.value} GPUs of {self.gib.value:g} GiB")   # what it computed for
-        self.out.value = f"{inputs}. Cheapest that fits: <b>{best}</b><table>{head}{rows}</table>"
+        s = self.state
+        n = s["model"].params()
+        size = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+        inputs = (f"{s['model'].name}, {size} parameters, on {s['cluster'].name}; "
+                  f"{self.batch.value} sequences of {s['model'].seq} a step, micro-batches up to {self.micro.value}: "
+                  f"{s['fitting']} of {s['layouts']} layouts fit")
+        if s["best"] is None:
+            lean = "" if s["leanest_gib"] is None else f" (the leanest needs {s['leanest_gib']:.0f} GiB a GPU)"
+            self.out.value = (f"{inputs}. <b>nothing fits</b>{lean}: more nodes, or a batch with more divisors")
+            return
+        head = "<tr><th>layout</th><th>GiB</th>" + "".join(f"<th>{t} s</th>" for t in TERMS) + \
+               "<th>step s</th><th>MFU</th></tr>"
+        body = "".join(f"<tr><td>{r['name']}</td><td>{r['gib']:.1f}</td>"
+                       + "".join(f"<td>{r['time'][t]:.3f}</td>" for t in TERMS)
+                       + f"<td>{r['time']['step']:.3f}</td><td>{r['time']['mfu']:.0%}</td></tr>" for r in s["rows"])
+        self.out.value = f"{inputs}. Fastest: <b>{s['best']}</b>. {s['why']}<table>{head}{body}</table>"
