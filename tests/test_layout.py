@@ -138,7 +138,9 @@ def test_fused_attention_saves_no_scores_eager_does():
     lay = Layout(1, 1, 1, 1, 0, "none", 2, 1)
     fused, eager = (layer_activation_bytes(TINY.with_(attention=a), lay) for a in ("fused", "eager"))
     scores = 2 * TINY.heads * TINY.seq * TINY.seq * 2                                 # b·a·s²·bf16
-    assert eager["total"] - fused["total"] == scores - fused["logsumexp (fused)"]
+    repeated = 2 * 2 * TINY.seq * (TINY.heads - TINY.kv_heads) * TINY.head_dim * 2    # k, v copied to every head
+    mask = TINY.seq * TINY.seq                                                        # one bool s × s
+    assert eager["total"] - fused["total"] == scores + repeated + mask - fused["logsumexp (fused)"]
     big = PRESETS["llama-3-70b"]
     w = Layout(1, 1, 8, 8, 1, "none", 1, 256)
     assert predict(w, big.with_(attention="eager"), h100_cluster(8))["gib"] > predict(w, big, h100_cluster(8))["gib"]
@@ -149,6 +151,30 @@ def test_fused_attention_saves_no_scores_eager_does():
         x = torch.randn(2, TINY.seq, TINY.hidden, dtype=torch.bfloat16, requires_grad=True)
         held[attention] = saved_bytes(lambda b=block, x=x: b(x).sum(), exclude=list(block.parameters()))
     assert held["eager"] - held["fused"] >= scores
+
+
+@pytest.mark.parametrize("attention", ["fused", "eager"])
+def test_saved_activation_bytes_of_a_real_block_are_the_formula(attention):
+    # One block of the reference model on this CPU in bf16; autograd's saved tensors counted by storage
+    # (saved_tensors_hooks), the block's weights and its input left out. Tolerance: none, byte for byte,
+    # with the norms priced as what nn.RMSNorm really keeps on the CPU (fp32 copies: norm="composite").
+    from course_lib.memory.saved import saved_tensors
+    m = TINY.with_(hidden=128, heads=8, kv_heads=4, ffn=352, seq=64, attention=attention)
+    block = build(m, dtype=torch.bfloat16).blocks[0]
+    for mb in (1, 2):
+        x = torch.randn(mb, m.seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+        _, saved = saved_tensors(lambda x=x: block(x).sum(), exclude=[*block.parameters(), x])
+        measured = sum(s.nbytes for s in saved)
+        lay = Layout(1, 1, 1, 1, 0, "none", mb, 1)
+        formula = layer_activation_bytes(m, lay, norm="composite")
+        assert measured == formula["total"]                                   # 395,776 B fused, 479,744 eager (mb 1)
+        fused_norm = layer_activation_bytes(m, lay)                           # the planner's fused RMSNorm
+        assert measured - fused_norm["total"] == 2 * 6 * mb * m.seq * m.hidden    # 6·t·h bytes a norm more
+    # SDPA keeps no s × s tensor; the eager block keeps the bf16 probabilities (and a bool mask)
+    sizes = {s.nbytes for s in saved}
+    probs = 2 * m.heads * m.seq * m.seq * 2
+    assert (probs in sizes) == (attention == "eager") and formula["scores (eager)"] == (probs if attention == "eager"
+                                                                                        else 0)
 
 
 @pytest.mark.parametrize("layout", [Layout(64, 1, 1, 1, 3, "none", 1, 4), Layout(8, 8, 1, 1, 3, "none", 1, 32),

@@ -20,10 +20,20 @@ q, k, v                            ``t·(h + 2·kv_dim)·d``      the attention
 attention output                   ``t·h·d``                   o (and the fused kernel's backward)
 fused: logsumexp                   ``t·heads·4``               FlashAttention / SDPA: no s² scores
 eager: softmax output              ``b·heads·(s/cp)·s·d``      softmax and probs·v: the s² term
+eager: causal mask                 ``(s/cp)·s`` (bool)         masked_fill (one per layer, not per sequence)
 SwiGLU: gate, up, silu(gate), gxu  ``4·t·f·d``                 silu, the product, down
 =================================  ==========================  ============================================
 
-(With fewer key/value heads than TP ranks each rank keeps one.) The last stage adds the final norm's input and
+(With fewer key/value heads than TP ranks each rank keeps one. Eager attention repeats k and v to all the query
+heads before its products, as :mod:`.reference` and Hugging Face's ``repeat_kv`` do, and saves the repeated
+copies: its q, k, v row is ``3·t·h·d``.) The norms are priced as a fused RMSNorm kernel (Apex, Transformer
+Engine, Liger, ``torch.compile``): it saves its input and 1/rms. PyTorch's plain ``nn.RMSNorm`` in bf16 computes
+in fp32 and saves fp32 copies, 6·t·h bytes more a norm (``norm="composite"``).
+
+**Checked against measurement** (``tests/test_layout.py``): the bytes autograd saves for one block of
+:mod:`.reference` on the CPU in bf16, counted by storage with ``saved_tensors_hooks``
+(:mod:`course_lib.memory.saved`), equal ``layer_activation_bytes(..., norm="composite")`` to the byte, fused
+and eager, one and two sequences. The last stage adds the final norm's input and
 output and the logits in fp32 for the loss (``t·vocab·4``, vocabulary-parallel: cut ``tp`` ways).
 
 **How many micro-batches are in flight.** Under 1F1B, stage ``s`` of ``pp`` runs ``pp − s`` forwards before its
@@ -42,6 +52,7 @@ from .space import Layout
 
 D = 2            # bytes of a bf16 activation, weight or gradient
 STAT = 4         # bytes of an fp32 statistic (RMSNorm's 1/rms, attention's logsumexp, the loss's logits)
+NORMS = ("fused", "composite")
 
 
 def _kv_heads_local(model: Model, tp: int) -> int:
@@ -64,18 +75,27 @@ def params_on_gpu(model: Model, layout: Layout, stage: int = 0) -> int:
     return p
 
 
-def layer_activation_bytes(model: Model, layout: Layout) -> dict:
-    """The table of the module docstring: bytes one layer saves for one micro-batch on one GPU, and ``"total"``."""
+def layer_activation_bytes(model: Model, layout: Layout, norm: str = "fused") -> dict:
+    """The table of the module docstring: bytes one layer saves for one micro-batch on one GPU, and ``"total"``.
+
+    ``norm="composite"``: PyTorch's own ``nn.RMSNorm`` on bf16 (no fused kernel: it computes in fp32 and saves
+    the fp32 input and the fp32 normalised tensor, 8·t·h bytes a norm instead of a fused kernel's 2·t·h), what
+    :mod:`.reference` runs on the CPU and what the measurement in the tests sees."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     h, f, tp, d = model.hidden, model.ffn, layout.tp, D
     s_local = model.seq // layout.cp
     t = layout.micro_batch * s_local
-    kv = 2 * model.head_dim * _kv_heads_local(model, tp)
-    parts = {"norm inputs": 2 * t * h * d // tp, "norm 1/rms": 2 * t * STAT // tp,
+    eager = model.attention == "eager"
+    kv = 2 * model.head_dim * (model.heads // tp if eager else _kv_heads_local(model, tp))
+    composite = norm == "composite"
+    parts = {"norm inputs": 2 * t * h * (STAT if composite else d) // tp, "norm 1/rms": 2 * t * STAT // tp,
+             "norm fp32 outputs (composite)": 2 * t * h * STAT // tp if composite else 0,
              "norm outputs": 2 * t * h * d // tp, "q, k, v": t * (h // tp + kv) * d,
              "attention output": t * h * d // tp,
-             "logsumexp (fused)": t * model.heads // tp * STAT if model.attention == "fused" else 0,
-             "scores (eager)": layout.micro_batch * model.heads // tp * s_local * model.seq * d
-             if model.attention == "eager" else 0,
+             "logsumexp (fused)": t * model.heads // tp * STAT if not eager else 0,
+             "scores (eager)": layout.micro_batch * model.heads // tp * s_local * model.seq * d if eager else 0,
+             "mask (eager)": s_local * model.seq if eager else 0,
              "SwiGLU": 4 * t * f * d // tp}
     parts["total"] = sum(parts.values())
     return parts
