@@ -147,6 +147,62 @@ def _slurm_here() -> Check:
     return _slurm(slurm.probe())
 
 
+def _hub(prefix: str, gpus: int, cores: int, jupyterhub: str | None, proxy: str | None,
+         roster: dict | None) -> Check:
+    """On a class's VM (``make hub``): how many learners it can serve, and whether the hub's proxy is there.
+    ``prefix``: HUB_PREFIX; ``jupyterhub``: its version (None: not installed); ``proxy``: configurable-http-proxy's
+    path (None: missing); ``roster``: the roster ``make hub`` wrote, as JSON (None: none yet)."""
+    if jupyterhub is None and proxy is None and roster is None:
+        return Check("hub", INFO, f"not set up in {prefix} (one VM for a class: make hub, README's instructor "
+                     "section)")
+    if gpus:
+        serve = (f"{gpus} GPU{'s' if gpus != 1 else ''}: up to {gpus} learner{'s' if gpus != 1 else ''} with 1 GPU "
+                 f"each" + (f", {gpus // 2} with 2" if gpus >= 4 else ""))
+    else:
+        n = max(1, cores // 2)
+        serve = (f"no GPU: a CPU class (GPUS_PER_LEARNER=0), about {n} learner{'s' if n != 1 else ''} running "
+                 f"2-rank jobs at once on {cores} cores")
+    detail = [f"JupyterHub {jupyterhub}" if jupyterhub else "JupyterHub missing", serve]
+    status, fix = OK, ""
+    if roster:
+        learners = [s for s in roster["seats"] if not s["admin"]]
+        need = len(learners) * roster["gpus_per_learner"]
+        detail.append(f"roster: {len(learners)} learners x {roster['gpus_per_learner']} GPUs")
+        if need > gpus:
+            status, fix = FAIL, f"the roster needs {need} GPUs and this machine has {gpus}: make hub LEARNERS=..."
+    detail.append(f"proxy {proxy}" if proxy else "configurable-http-proxy missing")
+    if not proxy or not jupyterhub:
+        status, fix = FAIL, f"make hub-env HUB_PREFIX={prefix} (needs Node.js 20+ and npm for the proxy)"
+    return Check("hub", status, "; ".join(detail), fix)
+
+
+def _hub_here() -> Check:
+    import json
+    import shutil
+    from pathlib import Path
+    prefix = Path(os.environ.get("HUB_PREFIX") or "/opt/course-hub")
+    try:
+        import jupyterhub
+        version = jupyterhub.__version__
+    except ImportError:
+        version = None
+    venv = prefix / "venv" / "bin" / "jupyterhub"
+    if version is None and venv.exists():
+        version = "in " + str(venv)
+    proxy = prefix / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
+    proxy = str(proxy) if proxy.exists() else shutil.which("configurable-http-proxy")
+    try:
+        roster = json.loads((prefix / "state" / "roster.json").read_text())
+    except (OSError, ValueError):
+        roster = None
+    try:
+        from .hub.roster import gpus_here
+        gpus = gpus_here()
+    except Exception:   # the preflight must finish
+        gpus = hardware.gpu_count()
+    return _hub(str(prefix), gpus, hardware.cpu_count(), version, proxy, roster)
+
+
 def checks(smoke: bool = True) -> list[Check]:
     """Every check, in the order they are printed."""
     v = hardware.versions()
@@ -171,6 +227,7 @@ def checks(smoke: bool = True) -> list[Check]:
     out.append(_shm(shm_mib()))
     out.append(_notebooks())
     out.append(_slurm_here())
+    out.append(_hub_here())
     if smoke and b["gloo"]:
         out.append(_gloo_smoke())
     return out

@@ -79,3 +79,23 @@ def test_nccl_smoke_failure_is_reported_with_the_fix(monkeypatch):
     monkeypatch.setattr(launch, "run", refuse)
     check = doctor._nccl_smoke(2)
     assert check.status == doctor.FAIL and "NCCL error" in check.detail and "NCCL_DEBUG=INFO" in check.fix
+
+
+def test_hub_line_says_how_many_learners_this_vm_serves_and_whether_the_proxy_is_there():
+    absent = doctor._hub("/opt/course-hub", 8, 32, None, None, None)
+    assert absent.status == doctor.INFO and "make hub" in absent.detail
+    ready = doctor._hub("/opt/course-hub", 8, 32, "6.1.1", "/opt/course-hub/node/.bin/chp", None)
+    assert ready.status == doctor.OK
+    assert "up to 8 learners with 1 GPU each, 4 with 2" in ready.detail and "proxy /opt/course-hub" in ready.detail
+    cpu = doctor._hub("/opt/course-hub", 0, 2, "6.1.1", "/x/chp", None)
+    assert "a CPU class (GPUS_PER_LEARNER=0), about 1 learner running" in cpu.detail
+    no_proxy = doctor._hub("/opt/course-hub", 8, 32, "6.1.1", None, None)
+    assert no_proxy.status == doctor.FAIL and "configurable-http-proxy missing" in no_proxy.detail
+    assert "make hub-env" in no_proxy.fix and "Node.js 20+" in no_proxy.fix
+    roster = {"gpus": 8, "gpus_per_learner": 2, "seats": [{"admin": False}] * 4 + [{"admin": True}]}
+    fits = doctor._hub("/opt/course-hub", 8, 32, "6.1.1", "/x/chp", roster)
+    assert fits.status == doctor.OK and "roster: 4 learners x 2 GPUs" in fits.detail
+    shrunk = doctor._hub("/opt/course-hub", 4, 32, "6.1.1", "/x/chp", roster)   # a VM with fewer GPUs now
+    assert shrunk.status == doctor.FAIL and "needs 8 GPUs and this machine has 4" in shrunk.fix
+    here = doctor._hub_here()                   # whatever this machine has: a line either way
+    assert here.name == "hub" and here.status in (doctor.INFO, doctor.OK, doctor.FAIL)
