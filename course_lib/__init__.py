@@ -28,7 +28,8 @@ The layers, each using only itself and those above it (``tests/test_house.py`` c
 ``viz/``                      pictures, explorers (widgets) and source listings
 ``exercises/``                the checks of the notebooks' exercises
 ``recipes/``                  scripts that run unchanged under torchrun (and SLURM)
-``course_map``, ``doctor``    the notebooks and what runs here (``python -m course_lib map|doctor``)
+``course_map``, ``doctor``, ``hub/``  the notebooks and what runs here (``python -m course_lib map|doctor``); one VM
+                              for a class: JupyterHub with a seat per learner (``make hub``)
 ============================  ==================================================================================
 
 Notebook → the modules it shows and uses:
