@@ -44,7 +44,7 @@ def test_mini_ddp_handles_buffers_and_unused_parameters_like_torch_ddp(world_siz
 def inspect_mini_ddp(rank, world_size, cap):
     torch.manual_seed(rank)                      # different initial weights on purpose...
     model = WithExtras(seed=rank)
-    ddp = MiniDDP(model, bucket_cap_mb=cap)      # ...made equal by the broadcast from rank 0
+    ddp = measure.TimedMiniDDP(model, bucket_cap_mb=cap)   # ...made equal by the broadcast from rank 0
     x, y = make_dataset(16, seed=rank).tensors
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
     ddp.finish_gradient_synchronization()
@@ -156,3 +156,29 @@ def test_ddp_broadcasts_rank_0s_buffers_at_every_forward():
 def test_the_side_by_side_scaling_worker_measures_both():
     out = run(measure.side_by_side_worker, 2, 64, 2, 32, 2, 2, backend="gloo", threads=1, show_output=False)[0]
     assert 1.0 <= out["concurrency"] <= 2.0 and out["speedup"] > 0 and out["efficiency"] > 0
+
+
+def test_torch_ddp_defaults_the_notebook_states():
+    """Notebook 03 says torch's DDP fills 25 MB buckets, the first one only 1 MiB (private: checked here)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed as ddp_module
+    assert ddp_module._DEFAULT_BUCKET_CAP_MB == 25 and dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+
+
+def test_notebook_03_exercise_solutions():
+    cfg = TrainConfig(n=1001, batch_size=16, epochs=1, lr=0.05, drop_last=True)         # exercise 1
+    out = run(training.train_worker, 4, cfg.with_(strategy="by_hand"), backend="gloo", show_output=False)
+    assert max_difference(out[0]["state"], training.train_reference(cfg, world_size=4)["state"]) < TOL
+    one = run(measure.timeline_worker, 2, 512, 8, 64, 25.0, backend="gloo", show_output=False)[0]   # exercise 2
+    assert len(one["buckets"]) == 1 and one["bucket_sizes"][0] < 25 * 2**20
+
+
+def test_overlap_schedule_and_torchrun_picture():
+    s = viz.overlap_schedule([2, 2, 2, 2], [1.5] * 4)
+    assert s["without"]["step"] == 14 and s["with"]["step"] == 9.5
+    assert s["with"]["spans"][0] == (2, 3.5)                     # bucket 0 leaves as soon as the last layer is done
+    slow = viz.overlap_schedule([1, 1], [3, 3])                   # communication-bound: all-reduces queue up
+    assert slow["with"]["spans"] == [(1, 4), (4, 7)] and slow["with"]["step"] == 7
+    _, workers = viz.draw_torchrun(2, 3)
+    assert [w["RANK"] for w in workers] == list(range(6))
+    assert [(w["GROUP_RANK"], w["LOCAL_RANK"]) for w in workers] == [(n, k) for n in range(2) for k in range(3)]

@@ -184,6 +184,24 @@ def test_ring_check_sees_how_sends_and_receives_are_paired():
     assert "batch_isend_irecv" in fb.message, fb
 
 
+def notebook_solution(notebook: str, name: str):
+    """The function ``name`` defined in a code block of ``notebook``'s folded solutions, as printed there."""
+    import json
+    import re
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / notebook).read_text())
+    text = "".join(nb["cells"][-1]["source"])
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if f"def {name}(" in b)
+    namespace = {"dist": dist, "torch": torch}
+    exec(block.split("\nex02.")[0], namespace)                # the definition, not the call of the check
+    return namespace[name]
+
+
+def test_notebook_02_exercise_2_solution_passes_the_check():
+    fn = notebook_solution("02_allreduce_from_scratch.ipynb", "all_reduce_from_collectives")
+    assert ex02.check_all_reduce(fn).status == PASSED
+
+
 def test_nccl_replay_by_hand():
     send, recv = "send", "recv"
     naive = [[[(recv, 1)], [(recv, 2)], [(send, 1)], [(send, 2)]], [[(send, 0)], [(recv, 0)]],

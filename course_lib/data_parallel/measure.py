@@ -41,12 +41,40 @@ def _setup(width, depth, batch, strategy, amp=False):
     return step, x, y, device
 
 
+class TimedMiniDDP(MiniDDP):
+    """:class:`MiniDDP` that records its timeline: when each bucket's all-reduce was launched and finished, and
+    when backward ended (seconds since the step's forward began). The algorithm is MiniDDP's, unchanged."""
+
+    def forward(self, *args, **kwargs):
+        self._t0, self.timeline, self.backward_done = time.perf_counter(), [], None
+        return super().forward(*args, **kwargs)
+
+    def elapsed(self) -> float:
+        """Seconds since this step's forward pass started (the clock of :attr:`timeline`)."""
+        return time.perf_counter() - self._t0
+
+    def _launch(self, i: int):
+        entry = {"bucket": i, "params": len(self.buckets[i]), "launched": self.elapsed()}
+        work = super()._launch(i)
+        flat = self._in_flight[-1][1]
+        entry["bytes"] = flat.numel() * flat.element_size()
+        work.get_future().then(lambda _: entry.__setitem__("finished", self.elapsed()))
+        self.timeline.append(entry)
+        return work
+
+    def finish_gradient_synchronization(self) -> None:
+        self.backward_done = self.elapsed()                # the caller has just finished backward()
+        super().finish_gradient_synchronization()
+        for entry in self.timeline:
+            entry.setdefault("finished", self.elapsed())
+
+
 def timeline_worker(rank: int, world_size: int, width: int = 512, depth: int = 8, batch: int = 64,
                     bucket_cap_mb: float = 1.0) -> dict:
     """One measured MiniDDP step of a deep MLP: when forward and backward ended, when each bucket's
     all-reduce was launched and finished (seconds from the start of forward)."""
     model = make_mlp(dim=width, hidden=width, classes=10, depth=depth)
-    ddp = MiniDDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = TimedMiniDDP(model, bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(batch, width), torch.randint(10, (batch,))
     for _ in range(3):                             # warm up; keep the last step's record

@@ -19,11 +19,10 @@ first byte moves, and sends one message per parameter.
    stays ``None``, as in DDP), waits for every all-reduce, and writes the averages back.
 
 Buffers (BatchNorm's running statistics) are not averaged: like DDP, rank 0's are broadcast at every
-forward pass.  :attr:`MiniDDP.timeline` records when each bucket was launched and finished.
+forward pass.  The class is the algorithm alone; :class:`course_lib.data_parallel.measure.TimedMiniDDP`
+adds the timeline (when each bucket was launched and finished) by overriding :meth:`MiniDDP._launch`.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -46,21 +45,18 @@ class MiniDDP(nn.Module):
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.module, self.broadcast_buffers = module, broadcast_buffers
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
+            for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)                     # every rank starts from rank 0's weights
         params = [p for p in module.parameters() if p.requires_grad]
-        cap, self.buckets, current, size = bucket_cap_mb * 2**20, [], [], 0
+        self.buckets, size = [], float("inf")
         for p in reversed(params):                           # gradients arrive roughly last layer first
-            current.append(p)
+            if size >= bucket_cap_mb * 2**20:                # this bucket is full: open the next one
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
-            if size >= cap:
-                self.buckets.append(current)
-                current, size = [], 0
-        if current:
-            self.buckets.append(current)
         self._bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -69,14 +65,7 @@ class MiniDDP(nn.Module):
     def _reset(self) -> None:
         self._missing = [len(b) for b in self.buckets]       # gradients each bucket still waits for
         self._next = 0                                       # the next bucket to launch, in order
-        self._in_flight: list[tuple[int, torch.Tensor, object, dict]] = []
-        self.timeline: list[dict] = []
-        self.backward_done: float | None = None             # set by finish_gradient_synchronization
-        self._t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        """Seconds since this step's forward pass started (the clock of :attr:`timeline`)."""
-        return time.perf_counter() - self._t0
+        self._in_flight = []                                 # (bucket index, flat tensor, work)
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
@@ -91,31 +80,24 @@ class MiniDDP(nn.Module):
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             self._launch(self._next)
 
-    def _launch(self, i: int) -> None:
-        bucket = self.buckets[i]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        entry = {"bucket": i, "params": len(bucket), "bytes": flat.numel() * flat.element_size(),
-                 "launched": self.elapsed()}
-        work = dist.all_reduce(flat, async_op=True)
-        work.get_future().then(lambda _: entry.__setitem__("finished", self.elapsed()))
-        self.timeline.append(entry)
-        self._in_flight.append((i, flat, work, entry))
+    def _launch(self, i: int):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, async_op=True)          # returns at once: backward goes on
+        self._in_flight.append((i, flat, work))
         self._next = i + 1
+        return work
 
     def finish_gradient_synchronization(self) -> None:
         """Launch what is left (buckets with unused parameters), wait, and write the averages back."""
-        self.backward_done = self.elapsed()                  # the caller has just finished backward()
         while self._next < len(self.buckets):
             self._launch(self._next)
         world_size = dist.get_world_size()
-        for i, flat, work, entry in self._in_flight:
+        for i, flat, work in self._in_flight:
             work.wait()
-            entry.setdefault("finished", self.elapsed())
             flat /= world_size
-            offset = 0
-            for p in self.buckets[i]:
-                n = p.numel()
+            pieces = flat.split([p.numel() for p in self.buckets[i]])
+            for p, piece in zip(self.buckets[i], pieces):
                 if p.grad is not None:
-                    p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+                    p.grad.copy_(piece.view_as(p))
         self._in_flight = []

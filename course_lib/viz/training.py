@@ -85,3 +85,74 @@ def plot_losses(curves: dict[str, list[float]], title: str = "training loss"):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def overlap_schedule(backward_ms: list[float], allreduce_ms: list[float]) -> dict:
+    """When each bucket's all-reduce runs, without and with overlap: layer i's gradients (last layer first) form
+    bucket i; one all-reduce at a time. Without overlap all of them wait for the end of backward; with overlap
+    bucket i starts as soon as its layer is done and the previous bucket has been sent. Returns both schedules
+    as lists of (start, end) and the step's end in each."""
+    ends = [sum(backward_ms[:i + 1]) for i in range(len(backward_ms))]
+    schedule = {}
+    for mode in ("without", "with"):
+        t, spans = 0.0 if mode == "with" else ends[-1], []
+        for ready, cost in zip(ends, allreduce_ms):
+            start = max(t, ready)
+            spans.append((start, start + cost))
+            t = start + cost
+        schedule[mode] = {"spans": spans, "step": max(ends[-1], t)}
+    return {"backward": ends, **schedule}
+
+
+def draw_overlap(backward_ms: list[float], allreduce_ms: list[float]):
+    """A schematic step: backward's layers (last first) on the compute row, each bucket's all-reduce on the network
+    row, first without overlap, then with it. Returns the figure and :func:`overlap_schedule`'s result."""
+    s = overlap_schedule(backward_ms, allreduce_ms)
+    fig, axes = plt.subplots(2, 1, figsize=(8, 2.6), sharex=True)
+    starts = [0.0] + s["backward"][:-1]
+    n = len(backward_ms)
+    for ax, mode in zip(axes, ("without", "with")):
+        for i, (a, b) in enumerate(zip(starts, s["backward"])):
+            ax.barh(1, b - a, left=a, color="0.55", edgecolor="w")
+            ax.text((a + b) / 2, 1, f"layer {n - i}", ha="center", va="center", fontsize=7, color="w")
+        for i, (a, b) in enumerate(s[mode]["spans"]):
+            ax.barh(0, b - a, left=a, color=rank_color(i), edgecolor="w")
+            ax.text((a + b) / 2, 0, f"bucket {i}", ha="center", va="center", fontsize=7)
+        ax.axvline(s[mode]["step"], color="k", ls="--", lw=1)
+        ax.set_yticks([1, 0], ["backward", "all-reduce"], fontsize=8)
+        ax.set_title(f"{mode} overlap: the step ends at {s[mode]['step']:g} ms", fontsize=9)
+    axes[-1].set_xlabel("milliseconds since backward began (schematic)")
+    fig.tight_layout()
+    return fig, s
+
+
+def draw_torchrun(nnodes: int, nproc_per_node: int):
+    """Nodes, one torchrun agent per node, and its workers, each labelled with the variables torchrun sets:
+    RANK (global), LOCAL_RANK (on its node) and GROUP_RANK (the node's number). Returns the figure and the
+    labels, one dict per worker in RANK order."""
+    workers = [{"RANK": node * nproc_per_node + local, "LOCAL_RANK": local, "GROUP_RANK": node,
+                "WORLD_SIZE": nnodes * nproc_per_node} for node in range(nnodes) for local in range(nproc_per_node)]
+    width = 1.25
+    fig, ax = plt.subplots(figsize=(max(6, nnodes * nproc_per_node * width + 1), 3.2))
+    for node in range(nnodes):
+        x0 = node * (nproc_per_node * width + 0.4)
+        w = nproc_per_node * width
+        ax.add_patch(Rectangle((x0, 0), w, 3, fill=False, lw=1.5))
+        ax.text(x0 + w / 2, 2.8, f"node {node}", ha="center", va="center", fontsize=9, weight="bold")
+        ax.add_patch(Rectangle((x0 + 0.1, 1.9), w - 0.2, 0.55, color="0.85"))
+        ax.text(x0 + w / 2, 2.17, f"torchrun agent (GROUP_RANK={node})", ha="center", va="center", fontsize=8)
+        for local in range(nproc_per_node):
+            rank = node * nproc_per_node + local
+            x = x0 + local * width + 0.1
+            ax.add_patch(Rectangle((x, 0.15), width - 0.2, 1.4, color=rank_color(rank), alpha=0.8))
+            ax.text(x + (width - 0.2) / 2, 0.85, f"worker\nRANK={rank}\nLOCAL_RANK={local}\nGROUP_RANK={node}",
+                    ha="center", va="center", fontsize=7)
+            ax.annotate("", (x + (width - 0.2) / 2, 1.55), (x + (width - 0.2) / 2, 1.9),
+                        arrowprops={"arrowstyle": "->", "lw": 0.8})
+    ax.set_xlim(-0.2, nnodes * (nproc_per_node * width + 0.4))
+    ax.set_ylim(0, 3.1)
+    ax.axis("off")
+    ax.set_title(f"torchrun --nnodes={nnodes} --nproc-per-node={nproc_per_node}: each agent starts its node's "
+                 f"workers (WORLD_SIZE={nnodes * nproc_per_node})", fontsize=9)
+    fig.tight_layout()
+    return fig, workers
