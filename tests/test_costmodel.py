@@ -94,3 +94,14 @@ def test_relative_fit_lets_the_small_messages_set_alpha():
 
 def test_a_best_sample_needs_a_second_to_confirm_it():
     assert costmodel._confirmed([1.0, 1.2, 3.0], 0.25) and not costmodel._confirmed([1.0, 2.0, 3.0], 0.25)
+
+
+def test_notebook_02_exercise_1_crossover_solution():
+    """The folded solution's n*: the ring and recursive doubling predictions are equal there, and swap order."""
+    a, b = 1e-3, 1 / 1e9                                    # a laptop-like fit: 1 ms, 1 GB/s
+    steps = {name: costmodel.steps_and_volume(name, 8) for name in ("ring", "recursive doubling")}
+    (s_ring, v_ring), (s_rd, v_rd) = steps["ring"], steps["recursive doubling"]
+    n_star = (s_ring - s_rd) * a / ((v_rd - v_ring) * b)
+    assert math.isclose(n_star, 11 * a / (1.25 * b))         # 14α + 1.75nβ = 3α + 3nβ
+    ring, rd = (costmodel.predict(name, [n_star / 2, n_star, 2 * n_star], 8, a, b) for name in steps)
+    assert math.isclose(ring[1], rd[1]) and rd[0] < ring[0] and ring[2] < rd[2]
