@@ -91,6 +91,10 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("16_expert_parallel.ipynb", "Expert parallelism (mixture of experts)",
              "routers, top-k and capacity; experts over ranks; all-to-all dispatch and combine; load balance",
              0, "full", 20, 85, 105),
+    Notebook("17_putting_it_together.ipynb", "Putting it together",
+             "a 2×2×2 mesh, FSDP2 × TP+SP × 1F1B, equal to one process (you write its groups); each group's "
+             "messages; layouts ranked by time and memory (you choose one); MFU; a published table; what breaks first",
+             1, "partial", 60, 90, 115),
 ]
 
 
