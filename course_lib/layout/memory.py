@@ -8,14 +8,19 @@ head on the last. ZeRO then shards over the ``dp·cp`` GPUs that hold the same w
 states and master weights, stage 2 the gradients too, stage 3 the weights too.
 
 **Activations** of one layer and one micro-batch of ``t = micro_batch·seq/cp`` tokens, in bf16 (``d = 2``), with
-sequence parallelism, so every term is cut ``tp`` ways (Korthikanti et al. 2022's ``sbh·34/t`` has the same form):
+sequence parallelism, so every term is cut ``tp`` ways but one (Korthikanti et al. 2022's ``sbh·34/t`` has the
+same form). The exception is the norms' outputs: sequence parallelism all-gathers each over the TP group before
+the column-parallel products, and DTensor (``PrepareModuleInput``, what :mod:`course_lib.composed.stages` runs)
+saves the gathered tensor for their backward, whole on every rank. Megatron-LM instead keeps its own slice and
+gathers it again in the backward: ``2·t·h·d·(1 − 1/tp)`` bytes less a layer, two more all-gathers a layer (the
+planner's TP term counts DTensor's four and four):
 
 =================================  ==========================  ============================================
 saved tensor                       bytes                       saved by
 =================================  ==========================  ============================================
 the two RMSNorms' inputs           ``2·t·h·d``                 the norms (and the residual stream)
 the two norms' 1/rms               ``2·t·4``                   the norms (fp32)
-the two norms' outputs             ``2·t·h·d``                 q, k, v (one storage); gate, up (one)
+the two norms' outputs, gathered   ``2·t·h·d`` (not cut)       q, k, v (one storage); gate, up (one)
 q, k, v                            ``t·(h + 2·kv_dim)·d``      the attention
 attention output                   ``t·h·d``                   o (and the fused kernel's backward)
 fused: logsumexp                   ``t·heads·4``               FlashAttention / SDPA: no s² scores
@@ -24,17 +29,22 @@ eager: causal mask                 ``(s/cp)·s`` (bool)         masked_fill (one
 SwiGLU: gate, up, silu(gate), gxu  ``4·t·f·d``                 silu, the product, down
 =================================  ==========================  ============================================
 
-(With fewer key/value heads than TP ranks each rank keeps one. Eager attention repeats k and v to all the query
+With fewer key/value heads than TP ranks each rank keeps one. Eager attention repeats k and v to all the query
 heads before its products, as :mod:`.reference` and Hugging Face's ``repeat_kv`` do, and saves the repeated
-copies: its q, k, v row is ``3·t·h·d``.) The norms are priced as a fused RMSNorm kernel (Apex, Transformer
+copies: its q, k, v row is ``3·t·h·d``. The norms are priced as a fused RMSNorm kernel (Apex, Transformer
 Engine, Liger, ``torch.compile``): it saves its input and 1/rms. PyTorch's plain ``nn.RMSNorm`` in bf16 computes
 in fp32 and saves fp32 copies, 6·t·h bytes more a norm (``norm="composite"``).
 
 **Checked against measurement** (``tests/test_layout.py``): the bytes autograd saves for one block of
 :mod:`.reference` on the CPU in bf16, counted by storage with ``saved_tensors_hooks``
 (:mod:`course_lib.memory.saved`), equal ``layer_activation_bytes(..., norm="composite")`` to the byte, fused
-and eager, one and two sequences. The last stage adds the final norm's input and
-output and the logits in fp32 for the loss (``t·vocab·4``, vocabulary-parallel: cut ``tp`` ways).
+and eager, one and two sequences.
+
+**The last stage** adds the final norm's input and output and the logits in fp32 for the loss (``t·vocab·4``).
+It follows :func:`.reference.tp_plan` (Megatron's): the LM head is vocabulary-parallel, its logits cut ``tp``
+ways. The composed code's small model keeps its final norm and head whole on every TP rank
+(:mod:`course_lib.composed.stages`: it gathers the sequence before the final norm); the planner does not price
+that variant.
 
 **How many micro-batches are in flight.** Under 1F1B, stage ``s`` of ``pp`` runs ``pp − s`` forwards before its
 first backward: the first stage holds ``min(pp, m)`` micro-batches' activations, the last one (notebook 07).
@@ -91,7 +101,7 @@ def layer_activation_bytes(model: Model, layout: Layout, norm: str = "fused") ->
     composite = norm == "composite"
     parts = {"norm inputs": 2 * t * h * (STAT if composite else d) // tp, "norm 1/rms": 2 * t * STAT // tp,
              "norm fp32 outputs (composite)": 2 * t * h * STAT // tp if composite else 0,
-             "norm outputs": 2 * t * h * d // tp, "q, k, v": t * (h // tp + kv) * d,
+             "norm outputs": 2 * t * h * d, "q, k, v": t * (h // tp + kv) * d,
              "attention output": t * h * d // tp,
              "logsumexp (fused)": t * model.heads // tp * STAT if not eager else 0,
              "scores (eager)": layout.micro_batch * model.heads // tp * s_local * model.seq * d if eager else 0,

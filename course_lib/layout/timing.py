@@ -16,6 +16,9 @@
   backward (four more when the forward is recomputed), each of one micro-batch's activations (``t·h`` bf16),
   priced as a ring (:func:`course_lib.comm.costmodel.predict`) on NVLink. All of it exposed: the next matrix
   product waits for it (notebook 11; Megatron's ``--tp-comm-overlap`` hides part of it: this is an upper bound).
+  Under sequence parallelism each rank's norm-weight gradients cover only its positions (DTensor: ``Partial``);
+  they are all-reduced over TP once a step, two small all-reduces a layer (:mod:`course_lib.composed.stages`:
+  FSDP2 does it before its reduce-scatter), latency-bound and exposed.
 * **CP**: ring attention's K/V blocks (:func:`course_lib.context_parallel.traffic.forward_bytes`; the backward
   sends ``(2W−1)/(W−1)`` times as much). The ring overlaps each of its ``W − 1`` transfers with one step's
   attention, and only what that step's FLOPs cannot hide is exposed. Under a causal mask a rank computes about
@@ -27,7 +30,18 @@
   no ZeRO all-reduces once, under the last micro-batch's backward; ZeRO-1 reduce-scatters there and all-gathers
   the updated weights under the next step's first forward; ZeRO-2 must reduce-scatter after *every* micro-batch's
   backward (it keeps no whole gradient to accumulate into); ZeRO-3 also all-gathers the weights before every
-  micro-batch's forward and again before its backward (FSDP2's default).
+  micro-batch's forward and again before its backward (FSDP2's default, ``reshard_after_forward=True``), with
+  or without a pipeline: under PP that is ``m`` re-gathers of the stage's weights a step, the price of holding
+  only a shard and three gathered layers (:mod:`.memory`).
+
+  *Where the course's composed code differs.* :mod:`course_lib.composed.stages` shards with
+  ``reshard_after_forward=False``, and ``torch.distributed.pipelining`` (torch 2.13, ``stage.py``) turns off
+  FSDP2's gradient sync and its reshard-after-backward for every micro-batch, reducing once after the last. So
+  that code gathers a stage's weights once a step and reduce-scatters once: ZeRO-1's traffic, but it holds the
+  stage's whole bf16 weights and gradients through the step (ZeRO-0's bytes for them; only the optimizer's
+  states and master weights stay sharded). The planner prices FSDP2's default instead, the memory-lean end;
+  the composed code's choice is the time-lean end of the same ZeRO-3 (and the same holds for ZeRO-2 under
+  ``torch.distributed.pipelining``: its gradients are reduced once, as ZeRO-1's).
 * **PP p2p**: the activation (and its gradient) crossing each of the ``pp − 1`` stage boundaries once on the
   critical path of the warm-up and the cool-down; the steady state's sends overlap compute (asynchronous).
 * **bubble**: 1F1B leaves each stage idle ``(pp − 1)/m`` of its busy time (notebook 07's formula).
@@ -84,6 +98,7 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
     per_layer = 4 + 4 + (4 if layout.recompute == "full" else 0)           # half all-gathers, half reduce-scatters
     tp_s = layers * m * per_layer / 2 * (_collective("all-gather", act, tp, nvlink)
                                          + _collective("reduce-scatter", act, tp, nvlink))
+    tp_s += layers * 2 * _collective("ring", model.hidden * D, tp, nvlink)   # SP norms' gradients, once
 
     cp_s = 0.0
     if cp > 1:
