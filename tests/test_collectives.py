@@ -106,3 +106,26 @@ def test_rendezvous_picture_has_every_rank_and_every_pair():
     store, direct = fig.axes
     assert sum(t.get_text().startswith("set hello/") for t in store.texts) == 4
     assert len(direct.lines) == 4 * 3 // 2                                       # one connection per pair
+
+
+def notebook_solution(notebook: str, name: str):
+    """The function ``name`` from a code block of ``notebook``'s folded solutions, as printed there."""
+    import json
+    import re
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / notebook).read_text())
+    text = "".join(nb["cells"][-1]["source"])
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if f"def {name}(" in b)
+    namespace = {"dist": dist, "torch": torch}
+    exec(block.split("\n\n\nout = ")[0], namespace)            # the definition, not the notebook's own run
+    return namespace[name]
+
+
+@pytest.mark.parametrize("world_size", [2, 5])
+def test_notebook_01_exercise_4_all_gather_solution(world_size):
+    fn = notebook_solution("01_ranks_and_collectives.ipynb", "my_all_gather")
+    out = run(fn, world_size, backend="gloo", show_output=False)
+    assert out == collectives.expected("all_gather", [[10.0 * r + 1] for r in range(world_size)])
