@@ -330,7 +330,7 @@ def test_two_learners_in_the_browser_see_their_own_gpus_and_port_and_run_gloo_jo
 def test_the_hub_stops_with_nothing_left(hub):
     assert hub_processes(), "the hub's processes were not found while it runs"
     out = cli("stop", timeout=180)
-    assert out.returncode == 0 and "nothing left running" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "hub: stopped" in out.stdout, out.stdout + out.stderr
     assert hub_processes() == []
     with socket.socket() as s:                 # nobody listens on the hub's port any more (the browser's closed
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # connections may linger in TIME_WAIT)

@@ -120,6 +120,9 @@ def stop(prefix: Path, quiet: bool = False, grace: float = 60) -> list[str]:
             except KeyError:
                 pass
     marks = (str(state), str(p["proxy"]), str(p["singleuser"]), str(p["jupyterhub"]))
+    deadline = time.monotonic() + 15     # kernels whose server has gone notice it within a few seconds, and exit
+    while system.processes(uids - {0}, marks) and time.monotonic() < deadline:
+        time.sleep(0.3)
     left = [f"{pid} (uid {uid}): {cmd.strip()[:120]}" for pid, uid, cmd in system.processes(uids - {0}, marks)]
     system.end_processes(uids - {0}, marks, grace=10)
     still = system.processes(uids - {0}, marks)

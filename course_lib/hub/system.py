@@ -89,8 +89,8 @@ def _procs():
 def processes(uids: set[int] = frozenset(), marks: tuple[str, ...] = ()) -> list[tuple[int, int, str]]:
     """(pid, uid, command line) of every process run by one of ``uids`` or whose command line holds a mark."""
     me = os.getpid()
-    return [(pid, uid, cmd) for pid, uid, cmd in _procs()
-            if pid != me and (uid in uids or any(m in cmd for m in marks))]
+    return [(pid, uid, cmd) for pid, uid, cmd in _procs()      # a zombie has ended: only its parent's wait is due
+            if pid != me and (uid in uids or any(m in cmd for m in marks)) and _alive(pid)]
 
 
 def end_processes(uids: set[int] = frozenset(), marks: tuple[str, ...] = (), grace: float = 10) -> list[int]:
