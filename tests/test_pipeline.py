@@ -127,3 +127,15 @@ def test_bubble_overhead_is_idle_over_compute(stages, micro_batches):
     b = P.bubble_formula(stages, micro_batches)
     assert P.bubble_overhead(stages, micro_batches) == pytest.approx(b / (1 - b))
     assert P.bubble_overhead(stages, micro_batches, chunks=2) == pytest.approx(b / (1 - b) / 2)
+
+
+def test_notebook_07_exercise_2_a_deeper_stage_1_passed_as_stage_fn_unbalances_the_pipeline():
+    """The solution of the notebook's exercise 2 (the learner passes their own stage builder, no library edit)."""
+    def deep_stage(rank, width, layers):
+        return P.make_stage(rank, width, layers * (2 if rank == 1 else 1))
+
+    res = run(P.pipeline_worker, 2, "1f1b", 8, 1024, 256, 4, deep_stage, backend="gloo", threads=1,
+              show_output=False)
+    assert len(res[1]["grads"]) == 2 * len(res[0]["grads"])             # stage 1 has twice the layers
+    assert P.rank_imbalance(res) > 0.5                                   # about 1.0: twice the compute
+    assert P.replayed(res)["bubble"] > P.bubble_formula(2, 8) + 0.1     # the slow stage sets the pace

@@ -1,12 +1,14 @@
 """torch.distributed.pipelining on Gloo ranks: its gradients equal the from-scratch schedule's and the unsplit model's
 (with torch's 1/m gradient scaling stated exactly), it runs the ops in the orders the course teaches, and its
-timeline is complete."""
+timeline is complete; the zero-bubble schedules (ZBV, DualPipeV) give the unsplit model's gradients and their plans
+idle (p-1)/(6m+p-1)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from course_lib import pipeline_parallel as P
 from course_lib.launch import run
+from course_lib.pipeline_parallel import zero_bubble as Z
 from course_lib.pipeline_parallel.torch_pipelining import stage_indices, torch_pipeline_step, torch_pipeline_worker
 
 WIDTH, LAYERS, BATCH, M = 16, 2, 16, 4
@@ -100,3 +102,50 @@ def test_four_ranks_1f1b_and_interleaved_equal_the_unsplit_model():
 def test_bad_arguments_are_refused_before_any_communication(kwargs, message):
     with pytest.raises(ValueError, match=message):
         torch_pipeline_step(0, 2, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- zero bubble: ZBV and DualPipeV
+def _v_configs(m, width=WIDTH):
+    return [dict(schedule=k, micro_batches=m, batch=4 * m, width=width, layers_per_stage=LAYERS) for k in Z.SCHEDULES]
+
+
+@pytest.mark.parametrize("ranks, m", [(2, 4), (3, 6)])
+def test_zero_bubble_schedules_equal_the_unsplit_model_and_their_plans_idle_p_minus_1_units(ranks, m):
+    if Z.missing():
+        pytest.skip(f"torch {torch.__version__} has no {Z.missing()}: the zero-bubble schedules need torch 2.13")
+    res = run(Z.v_pipeline_worker, ranks, *_v_configs(m), backend="gloo", show_output=False, timeout=180)
+    full = P.make_full_model(2 * ranks, WIDTH, LAYERS)
+    x, y = P.make_batch(4 * m, WIDTH)
+    F.mse_loss(full(x), y).backward()
+    for k in range(len(Z.SCHEDULES)):
+        assert sorted(s for r in res for s in r[k]["grads"]) == list(range(2 * ranks))     # a V: r and 2p-1-r
+        assert_all_close(in_stage_order([r[k] for r in res]), [p.grad for p in full.parameters()])
+        plan = res[0][k]["plan"]
+        assert all(r[k]["plan"] == plan for r in res)                      # every rank holds the whole plan
+        ran = [op for rank_ops in plan for op in rank_ops]
+        for i in range(m):
+            for s in range(2 * ranks):      # one forward; a split backward (I, W) or a whole one (B)
+                assert ran.count(("F", i, s)) == 1
+                assert [ran.count((op, i, s)) for op in "IWB"] in ([1, 1, 0], [0, 0, 1])
+        split, fused = Z.play_actions(plan)["bubble"], Z.play_actions(Z.fuse_backward(plan))["bubble"]
+        assert split == pytest.approx((ranks - 1) / (6 * m + ranks - 1), abs=1e-12)
+        assert split < fused < P.bubble_formula(ranks, m)
+        assert 0 < res[0][k]["alone"] and 0 < res[0][k]["step"]
+
+
+def test_play_actions_follows_the_dependencies_and_names_a_deadlock():
+    one_rank = [[("F", 0, 0), ("F", 0, 1), ("I", 0, 1), ("W", 0, 1), ("I", 0, 0), ("W", 0, 0)]]
+    played = Z.play_actions(one_rank)
+    assert played["makespan"] == 6 and played["bubble"] == 0
+    assert Z.fuse_backward(one_rank) == [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]]
+    assert Z.play_actions(Z.fuse_backward(one_rank))["makespan"] == 6
+    with pytest.raises(RuntimeError, match="deadlocks: rank 0 waits before I0 of stage 0"):
+        Z.play_actions([[("F", 0, 0), ("I", 0, 0)], [("I", 0, 1), ("F", 0, 1)]])
+    assert Z.v_stages(0, 2) == [0, 3] and Z.v_stages(1, 2) == [1, 2]
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(schedule="zb-h1"), "unknown schedule"),
+                                             (dict(batch=10, micro_batches=4), "does not divide")])
+def test_v_pipeline_step_refuses_bad_arguments_before_any_communication(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Z.v_pipeline_step(0, 2, **kwargs)

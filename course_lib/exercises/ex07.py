@@ -306,12 +306,39 @@ def diagnose_stage_loop(results: list[dict], expected: list[list[torch.Tensor]])
     return None
 
 
+class _Probe:
+    """A ``comm`` for a dry run in this process: the first call to it ends the run."""
+
+    def __getattr__(self, name):
+        raise _ProbeReached
+
+
+class _ProbeReached(Exception):
+    pass
+
+
+def _not_attempted(fn) -> bool:
+    """Whether ``fn`` is still the stub: run as stage 0 here, with a ``comm`` that stops it at its first send or
+    receive (no process is started for a stub)."""
+    x, y = make_batch(BATCH, WIDTH)
+    try:
+        fn(make_stage(0, WIDTH, LAYERS), schedule("1f1b", STAGES, MICRO_BATCHES)[0], 0, STAGES,
+           x.tensor_split(MICRO_BATCHES), y.tensor_split(MICRO_BATCHES), _Probe())
+    except NotImplementedError:
+        return True
+    except Exception:  # noqa: BLE001 (the probe, or the learner's error: the real run reports it)
+        pass
+    return False
+
+
 def check_stage_loop(fn) -> Feedback:
     """Run ``fn(stage, ops, rank, world_size, xs, ys, comm)`` as each stage of a 3-stage pipeline, GPipe then 1F1B
     (4 micro-batches), and compare the gradients with the unsplit model's; name a deadlock, a tensor used before
     it arrived, or a loss scaled wrong."""
     if not callable(fn):
         return wrong(f"pass your function itself (without calling it), got {fn!r}")
+    if _not_attempted(fn):
+        return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell again")
     results, problem = run_attempt(_stage_loop_worker, STAGES, fn, timeout=60,
                                    timeout_hint="Did you call torch.distributed yourself? Use `comm`: its waits "
                                                 "give up after a few seconds and say where they were stuck.")

@@ -13,6 +13,7 @@ from .stages import (
            BALANCED,
            UNDISTURBED,
            StageClock,
+           bubble_sweep,
            make_batch,
            make_full_model,
            make_stage,
@@ -21,14 +22,17 @@ from .stages import (
            most_balanced,
            pipeline_worker,
            rank_imbalance,
+           replay_tolerance,
            replayed,
            shift_to_common_origin,
            stage_step,
            stretch,
            typical_costs,
+           wall_tolerance,
 )
 
 __all__ = ["KINDS", "schedule", "simulate", "simulate_plan", "play", "bubble_formula", "bubble_overhead",
            "peak_in_flight", "make_stage", "make_full_model", "make_batch", "pipeline_worker", "measured_bubble",
            "measured_makespan", "replayed", "rank_imbalance", "typical_costs", "stretch", "UNDISTURBED", "BALANCED",
-           "most_balanced", "shift_to_common_origin", "stage_step", "StageClock"]
+           "most_balanced", "shift_to_common_origin", "stage_step", "StageClock", "bubble_sweep",
+           "replay_tolerance", "wall_tolerance"]
