@@ -56,9 +56,12 @@ Notebook → the modules it shows and uses:
   ``training``), ``memory.saved``, ``memory.activations`` (``split_block_worker``), ``comm.record``
 * 13 activation memory: ``memory`` (``activations``, ``saved``, ``recompute``), ``exercises.ex13``
 * 14 mixed precision: ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``memory``
-  (``accumulation``, ``planner``, ``verify``), ``viz.widgets`` (``LayoutPlanner``)
+  (``accumulation``)
 * 15 context parallelism: ``context_parallel`` (``blocks``, ``ring``, ``allgather``, ``ulysses``, ``traffic``),
   ``viz.context``, ``exercises.ex15``
 * 16 expert parallelism: ``expert_parallel``, ``viz.experts``, ``exercises.ex16``
+* 17 putting it together: ``composed`` (``mesh``, ``stages``, ``count``, ``training``), ``layout`` (``shapes``,
+  ``space``, ``memory``, ``timing``, ``ranking``, ``mfu``, ``reference``, ``fake``, ``published``), ``viz.mesh``,
+  ``viz.widgets`` (``LayoutPlanner``), ``exercises.ex17``
 """
 __version__ = "0.2.0"

@@ -8,8 +8,9 @@
   :func:`.activations.split_block_worker`, what a block split across ranks keeps (notebook 12).
 * :mod:`.recompute`: activation checkpointing, whole-layer and selective: bytes held, FLOPs recomputed.
 * :mod:`.accumulation`: gradient accumulation against a larger micro-batch (memory, time, ``no_sync``).
-* :mod:`.planner`: the calculator: which layouts (DDP, ZeRO, TP, recomputation) fit, at what traffic;
-  :mod:`.verify` checks it against bytes measured on the course's transformer.
+* :mod:`.planner`: the bytes-only calculator: which layouts (DDP, ZeRO, TP, recomputation) fit, at what traffic;
+  :mod:`.verify` checks it against bytes measured on the course's transformer (notebook 17's planner, ranked
+  by time, is :mod:`course_lib.layout`).
 """
 from .arithmetic import (
                          DTYPE_BYTES,

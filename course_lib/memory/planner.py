@@ -1,4 +1,8 @@
-"""The capstone calculator: which layouts fit a model on a set of GPUs, and what each costs in communication.
+"""The bytes-only calculator: which layouts fit a model on a set of GPUs, and what each costs in communication.
+
+Notebook 17 chooses layouts with :mod:`course_lib.layout` instead, which adds pipeline and context parallelism and
+ranks by predicted step time. This module stays for :mod:`.verify`, which checks its bytes against those measured
+on the course's small transformer (``tests/test_planner.py``).
 
 For a model shape (a :class:`~course_lib.models.TransformerConfig`: layers, width, heads, vocabulary, MLP
 width), a sequence length, a micro-batch per GPU, a number of GPUs and their memory, :func:`plan` tries every
