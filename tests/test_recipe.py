@@ -12,7 +12,7 @@ from conftest import RECIPE
 from conftest import RECIPE_ARGS as ARGS
 
 from course_lib.launch.commands import CommandError, json_lines, run_command, torchrun, torchrun_nodes
-from course_lib.recipes import train_ddp
+from course_lib.recipes import fault_injection, train_ddp
 
 CRASH_JOBS = int(os.environ.get("COURSE_CRASH_JOBS", "10"))   # two-node crash-and-restart jobs (10 in CI)
 
@@ -146,10 +146,12 @@ def test_launch_env_names_what_is_missing():
     (["--batch-size", "-4"], "--batch-size: must be > 0"),
     (["--lr", "fast"], "--lr: 'fast' is not a number"),
     (["--epochs", "2", "--crash-at-epoch", "3"], "after the last epoch"),
+    (["--crash-at-epoch", "0"], "--crash-at-epoch: must be > 0"),
     (["--checkpoint", "."], "is a directory: give a file name")])
 def test_bad_options_stop_with_a_usage_message(argv, phrase, capsys):
+    """What ``python -m course_lib.recipes.train_ddp`` parses: the recipe's options and the fault injection's."""
     with pytest.raises(SystemExit) as info:
-        train_ddp.parse_args(argv)
+        fault_injection.parse_args(argv)
     assert info.value.code == 2 and phrase in capsys.readouterr().err
 
 
@@ -190,3 +192,41 @@ def test_recipe_with_nccl_and_bf16_on_gpu():
     assert s["backend"] == "nccl" and s["device"] == "cuda"
     assert s["bf16"] is hardware.fast_bf16(torch.device("cuda", 0))   # on by default where bf16 is native
     assert s["losses"][-1] < s["losses"][0] / 2
+
+
+def test_the_recipe_listing_holds_no_fault_injection():
+    """The part a learner writes in their own job (setup, Trainer, main) says nothing of crashes."""
+    import inspect
+    listing = "".join(inspect.getsource(f) for f in (train_ddp.setup, train_ddp.Trainer, train_ddp.main))
+    assert "crash" not in listing and "SIGKILL" not in listing
+    faults, rest = fault_injection.parse_args(["--epochs", "3", "--crash-at-epoch", "2", "--crash-rank", "0"])
+    assert (faults.crash_at_epoch, faults.crash_rank, rest) == (2, 0, ["--epochs", "3"])
+
+
+def test_a_crash_rank_outside_the_job_is_refused(tmp_path):
+    with pytest.raises(CommandError) as info:
+        torchrun(RECIPE, *ARGS, "--crash-at-epoch", "1", "--crash-rank", "5", nproc_per_node=2, module=True,
+                 echo=False, timeout=120)
+    assert "--crash-rank 5 is not a rank of this job (0..1)" in info.value.output
+
+
+def test_command_line_is_what_a_learner_types():
+    from course_lib.recipes import command_line
+    ran = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", RECIPE,
+           "--x", "a b"]
+    assert command_line(ran) == f"torchrun --standalone --nproc-per-node=2 -m {RECIPE} --x 'a b'"
+    assert command_line([sys.executable, "-m", RECIPE], env={"A": 1, "B": None}) == f"A=1 python -m {RECIPE}"
+
+
+def test_notebook_05_exercise_solutions(uninterrupted):
+    """Exercise 1: 3 ranks scale the rate by 3 and end elsewhere; exercise 2: torchrun's ranks are the picture's."""
+    three = json_lines(torchrun(RECIPE, *ARGS, nproc_per_node=3, module=True, echo=False, timeout=300).output)[-1]
+    assert three["world_size"] == 3 and three["lr"] == pytest.approx(3 * 0.05)
+    assert three["weights"] != uninterrupted["weights"] and three["losses"][-1] < three["losses"][0] / 2
+    from course_lib import viz
+    nodes = torchrun_nodes("course_lib.recipes.whoami", nnodes=2, nproc_per_node=2, module=True, echo=False,
+                           timeout=120)
+    told = sorted((w for n in nodes for w in json_lines(n.output)), key=lambda w: int(w["RANK"]))
+    _, drawn = viz.draw_torchrun(2, 2)
+    keys = ("RANK", "LOCAL_RANK", "GROUP_RANK")
+    assert [tuple(int(w[k]) for k in keys) for w in told] == [tuple(w[k] for k in keys) for w in drawn]

@@ -12,6 +12,10 @@ What it does that the web script did not:
   every ``--save-every`` epochs, and resumed from automatically when the job is restarted;
 * it destroys the process group at the end, also when training fails.
 
+Notebook 08's fault injection (``--crash-at-epoch``, ``--crash-rank``) lives in
+:mod:`course_lib.recipes.fault_injection`: run as a module, this file goes through it, and the listing a learner
+reads (``setup``, ``Trainer``, ``main``) is what a job's own script holds.
+
 The last line rank 0 prints is a JSON summary (losses, throughput, a fingerprint of the final weights).
 """
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -82,13 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="where rank 0 writes the final weights")
     p.add_argument("--timeout", type=real, default=300, help="seconds before a stuck collective fails")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--crash-at-epoch", type=count, default=None,
-                   help="fault injection: SIGKILL one rank half-way through this epoch, counted from 1 "
-                        "(on the first attempt only, so a restarted job can finish)")
-    p.add_argument("--crash-rank", type=int, default=1)
     args = p.parse_args(argv)
-    if args.crash_at_epoch is not None and args.crash_at_epoch > args.epochs:
-        p.error(f"--crash-at-epoch {args.crash_at_epoch} is after the last epoch (--epochs {args.epochs})")
     for path, flag in ((args.checkpoint, "--checkpoint"), (args.out, "--out")):
         if path is not None and os.path.isdir(path):
             p.error(f"{flag} {path} is a directory: give a file name, e.g. {os.path.join(path, 'snapshot.pt')}")
@@ -183,9 +180,6 @@ class Trainer:
                                  pin_memory=ctx.device.type == "cuda")
         self.amp = args.amp == "bf16" or (args.amp == "auto" and hardware.fast_bf16(ctx.device))
         self.epochs_run, self.losses = 0, []
-        if args.crash_at_epoch is not None and not 0 <= args.crash_rank < ctx.world_size:
-            raise SystemExit(f"error: --crash-rank {args.crash_rank} is not a rank of this job "
-                             f"(0..{ctx.world_size - 1})")
         if args.checkpoint and os.path.exists(args.checkpoint):
             self._load_snapshot()
 
@@ -219,22 +213,12 @@ class Trainer:
         if self.ctx.rank == 0:
             print(message, flush=True)
 
-    def _maybe_crash(self, epoch: int, step: int) -> None:
-        a = self.args
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if a.crash_at_epoch == epoch + 1 and self.ctx.rank == a.crash_rank and step == len(self.loader) // 2 \
-                and first_attempt:
-            print(f"rank {self.ctx.rank}: killing myself half-way through epoch {epoch + 1} (fault injection)",
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def _run_epoch(self, epoch: int) -> float:
         from tqdm import tqdm
         self.sampler.set_epoch(epoch)                      # a new shuffle each epoch, the same on all ranks
         loss_sum, samples = torch.zeros((), device=self.ctx.device), 0
         bar = tqdm(self.loader, desc=f"epoch {epoch}", disable=self.ctx.rank != 0 or not sys.stderr.isatty())
-        for step, (x, y) in enumerate(bar):
-            self._maybe_crash(epoch, step)
+        for x, y in bar:
             x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
             loss = train_step(self.model, self.optimizer, x, y, self.amp)
             loss_sum += loss.detach() * len(y)             # stays on the device: no copy, no sync per step
@@ -269,12 +253,15 @@ class Trainer:
                 "weights": checkpoint.fingerprint(state)}
 
 
-def main(argv=None) -> dict:
+def main(argv=None, prepare=None) -> dict:
+    """Parse, set up, train, clean up. ``prepare(trainer)``, when given, runs before training."""
     args = parse_args(argv)
     ctx = setup(args)
     trainer = None
     try:
         trainer = Trainer(args, ctx)
+        if prepare is not None:
+            prepare(trainer)
         summary = trainer.train()
         if ctx.rank == 0:
             print_json(summary)
@@ -290,4 +277,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from course_lib.recipes import fault_injection  # notebook 08's --crash-at-epoch; a no-op without it
+    fault_injection.main()
