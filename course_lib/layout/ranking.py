@@ -17,6 +17,8 @@ from .space import Layout, enumerate_layouts
 from .timing import EFFICIENCY, TERMS, step_time
 
 TERM_WORDS = {"compute": "compute", "imbalance": "the slowest pipeline stage's extra compute (the LM head)",
+              "elementwise": "memory-bound element-wise work (norms, residuals, SwiGLU, rotary, logits)",
+              "optimizer": "the optimizer's step (memory-bound)",
               "recompute": "recomputation's extra forward",
               "tp": "tensor-parallel collectives", "cp": "exposed context-parallel transfers",
               "dp": "exposed gradient and weight collectives (data parallel / ZeRO)",

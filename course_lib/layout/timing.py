@@ -1,16 +1,24 @@
 """A training step's time under a layout, term by term, and the MFU it implies.
 
-``step = compute + imbalance + recompute + TP + CP + DP + PP p2p + bubble``, each a term of the returned dict:
+``step = compute + imbalance + recompute + elementwise + TP + CP + DP + optimizer + PP p2p + bubble``, each a
+term of the returned dict:
 
 * **compute**: the model FLOPs of the step (:meth:`.shapes.Model.flops_per_token` × the global batch's tokens),
   shared equally by the GPUs, at ``efficiency`` × the data sheet's peak. ``EFFICIENCY`` is an *assumption*,
   stated: large bf16 matrix products on an H100 run at roughly 70–80% of the dense peak, never at 100%. It is
   the one knob of the model, is not fitted to any table, and :func:`.mfu.measure_matmul_peak` measures the real
-  figure on the machine at hand (on this CPU: the fp32 peak the notebook compares against).
+  figure on the machine at hand (on this CPU: the fp32 peak the notebook compares against). A product too small
+  to be compute-bound runs slower: :func:`gemm_efficiency` prices each of a layer's products on the roofline
+  (its FLOPs at ``efficiency·peak`` or its bytes at the HBM bandwidth, whichever is longer, both data-sheet
+  figures) and lowers the rate by the FLOP-weighted share (1.0 × ``efficiency`` for every preset here; a 64-wide
+  toy's products are memory-bound). Not modelled: wave quantisation and tile effects (stated, not fitted).
 * **imbalance**: a pipeline runs at the pace of its slowest stage. Every stage holds ``layers/pp`` layers, but the
   last one also runs the LM head (``6·V·h`` FLOPs a token: 12% of Llama-3-8B's model FLOPs, for 4 layers of 32
   on PP 8 more than the 4 layers' own). The first stage's embedding is a lookup. The term is the slowest stage's
   compute minus the average GPU's (zero without a pipeline); the bubble scales with the slowest stage too.
+* **elementwise**: the memory-bound work between the products (norms, residual adds, SwiGLU's product, rotary,
+  the fp32 logits), :func:`elementwise_bytes` at the HBM bandwidth; nothing overlaps it (it is on the GPU's
+  critical path, like the products).
 * **recompute**: full recomputation runs every layer's forward again (a third of the layers' FLOPs).
 * **TP**: sequence parallelism's two all-gathers and two reduce-scatters per layer in the forward, as many in the
   backward (four more when the forward is recomputed), each of one micro-batch's activations (``t·h`` bf16),
@@ -42,8 +50,14 @@
   states and master weights stay sharded). The planner prices FSDP2's default instead, the memory-lean end;
   the composed code's choice is the time-lean end of the same ZeRO-3 (and the same holds for ZeRO-2 under
   ``torch.distributed.pipelining``: its gradients are reduced once, as ZeRO-1's).
+  *Overlap is never complete*: the last layer's gradients to be reduced (the first layer's, computed last) have
+  no backward left beside them, and the first layer's gathered weights are needed before any forward: one
+  layer's reduction (and gather) is always exposed (``over``'s ``tail``).
+* **optimizer**: the optimizer's step after the last reduction, memory-bound: :data:`ADAM_BYTES` = 28 bytes
+  moved for each parameter this GPU updates (its ZeRO shard from stage 1 on), at the HBM bandwidth (3.35 TB/s).
 * **PP p2p**: the activation (and its gradient) crossing each of the ``pp − 1`` stage boundaries once on the
-  critical path of the warm-up and the cool-down; the steady state's sends overlap compute (asynchronous).
+  critical path of the warm-up and the cool-down, each paying the link's latency α; the steady state's sends
+  overlap compute (asynchronous).
 * **bubble**: 1F1B leaves each stage idle ``(pp − 1)/m`` of its busy time (notebook 07's formula).
 
 **MFU** (model FLOPs utilisation, PaLM's definition) = model FLOPs of the step / (step time × GPUs × peak): the
@@ -54,12 +68,47 @@ from __future__ import annotations
 
 from ..comm.costmodel import predict as ring
 from ..context_parallel.traffic import forward_bytes
-from .memory import D, params_on_gpu
+from .memory import STAT, D, layer_params_on_gpu, params_on_gpu
 from .shapes import Cluster, Model
 from .space import Layout, inside_node
 
 EFFICIENCY = 0.75   # assumed share of the dense bf16 peak that large matrix products sustain (module docstring)
-TERMS = ("compute", "imbalance", "recompute", "tp", "cp", "dp", "pp_p2p", "bubble")
+TERMS = ("compute", "imbalance", "recompute", "elementwise", "tp", "cp", "dp", "optimizer", "pp_p2p", "bubble")
+ADAM_BYTES = 28     # a parameter's optimizer step: read bf16 gradient (2), read + write fp32 master, m, v (24),
+                    # write the bf16 weight (2): fused Adam, memory-bound
+
+
+def gemms(model: Model, layout: Layout, head: bool = True) -> list[tuple[int, int, int]]:
+    """``(T, K, N)`` of each matrix product of one layer (and the LM head) for one micro-batch on one GPU:
+    ``T = micro_batch·seq/cp`` tokens times a ``K × N`` weight, cut ``tp`` ways."""
+    h, f, tp = model.hidden, model.ffn, layout.tp
+    t = layout.micro_batch * model.seq // layout.cp
+    kv = model.head_dim * max(model.kv_heads // tp, 1)
+    out = [(t, h, h // tp), (t, h, kv), (t, h, kv), (t, h // tp, h), (t, h, f // tp), (t, h, f // tp),
+           (t, f // tp, h)]
+    return out + ([(t, h, -(-model.vocab // tp))] if head else [])
+
+
+def gemm_efficiency(model: Model, cluster: Cluster, layout: Layout, efficiency: float = EFFICIENCY) -> float:
+    """The share of the peak the layout's matrix products sustain: ``efficiency`` for a large product, less
+    where a product is too small to be compute-bound. Each product of :func:`gemms` takes the longer of its
+    FLOPs at ``efficiency·peak`` and its bytes (``2·(T·K + K·N + T·N)`` bf16) at the HBM bandwidth (the
+    roofline, from the data sheet's two figures); the result is the FLOP-weighted share."""
+    rate = cluster.peak_flops * efficiency
+    flops = sum(2 * t * k * n for t, k, n in gemms(model, layout))
+    seconds = sum(max(2 * t * k * n / rate, 2 * (t * k + k * n + t * n) / cluster.hbm_bandwidth)
+                  for t, k, n in gemms(model, layout))
+    return efficiency * flops / rate / seconds
+
+
+def elementwise_bytes(model: Model, layout: Layout) -> float:
+    """HBM bytes a token's element-wise work moves in one layer on one GPU, forward and backward (three times
+    the forward's): two RMSNorms (read and write ``h``), two residual adds (read ``2h``, write ``h``), SwiGLU's
+    ``silu(gate)·up`` (read ``2f``, write ``f``), rotary on q and k (read and write ``h + kv_dim``), bf16, cut
+    ``tp`` ways by sequence and tensor parallelism."""
+    h, f = model.hidden, model.ffn
+    forward = (2 * 2 * h + 2 * 3 * h + 3 * f + 2 * (h + model.kv_dim)) * D
+    return 3 * forward / layout.tp
 
 
 def _collective(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -80,7 +129,7 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
     hardware FLOPs of the step, the DP traffic before overlap (``"dp_total"``) and ``"slowest_stage"``."""
     g, m, pp, tp, cp = layout.gpus, layout.m, layout.pp, layout.tp, layout.cp
     tokens = layout.dp * m * layout.micro_batch * model.seq
-    rate = cluster.peak_flops * efficiency
+    rate = cluster.peak_flops * gemm_efficiency(model, cluster, layout, efficiency)
     model_flops = model.flops_per_token() * tokens
     layer_flops = (6 * model.layer_matrix_params() + 12 * model.hidden * model.seq) * model.layers * tokens
     compute = model_flops / g / rate                                       # the average GPU
@@ -91,6 +140,11 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
     fwd_mb = per_stage[slowest] / 3 / rate                                 # one micro-batch on the slowest GPU
     bwd_mb = 2 * per_stage[slowest] / 3 / rate + recompute / m
     layers = model.layers // pp                                            # a stage's layers
+    t = layout.micro_batch * model.seq // cp                               # tokens of a micro-batch on a GPU
+    logits = 3 * 2 * -(-model.vocab // tp) * STAT                          # fp32 logits: write, softmax, grad
+    elementwise = m * t * (layers * elementwise_bytes(model, layout) + logits) / cluster.hbm_bandwidth
+    fwd_mb += elementwise / m / 3
+    bwd_mb += 2 * elementwise / m / 3
 
     t = layout.micro_batch * model.seq // cp                               # tokens of a micro-batch on a GPU
     act = t * model.hidden * D                                             # one activation, gathered over TP
@@ -116,25 +170,38 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
     link = cluster.link(inside_node(layout, "dp", cluster.gpus_per_node))
     grads = params_on_gpu(model, layout, 0) * D
     rs, ag = _collective("reduce-scatter", grads, n, link), _collective("all-gather", grads, n, link)
-    over = lambda busy, hidden: max(0.0, busy - hidden)                    # noqa: E731  what the overlap leaves
+    bucket = min(layer_params_on_gpu(model, tp) * D, grads)                # one layer: the last to be reduced
+    rs_tail = _collective("reduce-scatter", bucket, n, link)
+    ag_tail = _collective("all-gather", bucket, n, link)
+
+    def over(busy, hidden, tail):
+        """What the overlap leaves: the excess over the compute beside it, and at least the ``tail`` (the last
+        bucket's reduction, the first layer's gather) that has no compute left beside it."""
+        return max(busy - hidden, min(busy, tail), 0.0)
     if layout.zero == 0:
-        dp_s, dp_total = over(rs + ag, bwd_mb), rs + ag                    # a ring all-reduce = RS + AG
+        dp_s, dp_total = over(rs + ag, bwd_mb, rs_tail + ag_tail), rs + ag  # a ring all-reduce = RS + AG
     elif layout.zero == 1:
-        dp_s, dp_total = over(rs, bwd_mb) + over(ag, fwd_mb), rs + ag
+        dp_s, dp_total = over(rs, bwd_mb, rs_tail) + over(ag, fwd_mb, ag_tail), rs + ag
     elif layout.zero == 2:
-        dp_s, dp_total = m * over(rs, bwd_mb) + over(ag, fwd_mb), m * rs + ag
+        dp_s, dp_total = (m - 1) * over(rs, bwd_mb, 0) + over(rs, bwd_mb, rs_tail) + over(ag, fwd_mb, ag_tail), \
+            m * rs + ag
     else:
-        dp_s, dp_total = m * (over(ag, fwd_mb) + over(ag + rs, bwd_mb)), m * (2 * ag + rs)
+        dp_s = (m - 1) * (over(ag, fwd_mb, 0) + over(ag + rs, bwd_mb, 0)) + over(ag, fwd_mb, ag_tail) \
+            + over(ag + rs, bwd_mb, rs_tail)
+        dp_total = m * (2 * ag + rs)
+    held = max(params_on_gpu(model, layout, 0), params_on_gpu(model, layout, pp - 1))
+    optimizer = held / (n if layout.zero >= 1 else 1) * ADAM_BYTES / cluster.hbm_bandwidth
 
     pp_s = 0.0
     if pp > 1:
         a, b = cluster.link(inside_node(layout, "pp", cluster.gpus_per_node))
         pp_s = 2 * (pp - 1) * (a + act / tp * b)
-    bubble = (pp - 1) / m * (compute + imbalance + recompute + tp_s + cp_s)
-    out = {"compute": compute, "imbalance": imbalance, "recompute": recompute, "tp": tp_s, "cp": cp_s, "dp": dp_s,
-           "pp_p2p": pp_s, "bubble": bubble}
+    bubble = (pp - 1) / m * (compute + imbalance + recompute + elementwise + tp_s + cp_s)
+    out = {"compute": compute, "imbalance": imbalance, "recompute": recompute, "elementwise": elementwise,
+           "tp": tp_s, "cp": cp_s, "dp": dp_s, "optimizer": optimizer, "pp_p2p": pp_s, "bubble": bubble}
     out["step"] = sum(out.values())
     out.update(mfu=model_flops / (out["step"] * g * cluster.peak_flops), model_flops=model_flops,
                hardware_flops=model_flops + (layer_flops / 3 if layout.recompute == "full" else 0.0),
-               dp_total=dp_total, tokens=tokens, slowest_stage=(0, pp - 1)[slowest])
+               dp_total=dp_total, tokens=tokens, slowest_stage=(0, pp - 1)[slowest],
+               gemm_efficiency=rate / cluster.peak_flops)
     return out
