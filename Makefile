@@ -66,10 +66,14 @@ HUB_PORT ?= 8000
 HUB_PORT_BASE ?= 20000
 HUB_PORT_BLOCK ?= 100
 HUB_PROXY_VERSION ?= 5
+# HUB_SPAWNER=slurm: each learner's JupyterLab a SLURM job (batchspawner) in SLURM_PARTITION, GPUs by --gres
+HUB_SPAWNER ?= local
+SLURM_PARTITION ?=
 HUB_BIN := $(HUB_PREFIX)/venv/bin
 HUB_STAMP := $(HUB_PREFIX)/venv/.course-installed
 HUB_ARGS = --prefix $(HUB_PREFIX) --learners $(LEARNERS) --gpus-per-learner "$(GPUS_PER_LEARNER)" \
-	--names "$(LEARNER_NAMES)" --port $(HUB_PORT) --port-base $(HUB_PORT_BASE) --port-block $(HUB_PORT_BLOCK)
+	--names "$(LEARNER_NAMES)" --port $(HUB_PORT) --port-base $(HUB_PORT_BASE) --port-block $(HUB_PORT_BLOCK) \
+	--spawner $(HUB_SPAWNER) --partition "$(SLURM_PARTITION)"
 
 hub-env: $(HUB_STAMP)
 

@@ -62,7 +62,7 @@ def check_passwords(env: dict) -> None:
 
 
 def start(prefix: Path, port: int, hub_api_port: int, proxy_api_port: int, proxy: str | None = None,
-          timeout: float = 120) -> int:
+          timeout: float = 120, extra: dict | None = None) -> int:
     p = paths(prefix)
     state = p["state"]
     system.need_root("starting the hub")
@@ -78,7 +78,7 @@ def start(prefix: Path, port: int, hub_api_port: int, proxy_api_port: int, proxy
             raise HubError(f"{what} not found at {q}: run make hub-env first")
     (state / SETTINGS).write_text(json.dumps({
         "port": port, "hub_api_port": hub_api_port, "proxy_api_port": proxy_api_port, "proxy": proxy,
-        "notebooks": str(p["notebooks"]), "singleuser": str(p["singleuser"])}, indent=1) + "\n")
+        "notebooks": str(p["notebooks"]), "singleuser": str(p["singleuser"]), **(extra or {})}, indent=1) + "\n")
     config = Path(__file__).with_name("jupyterhub_config.py")
     log = open(state / "hub.log", "ab")
     proc = subprocess.Popen([str(p["jupyterhub"]), "-f", str(config)], cwd=state, stdout=log,
@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notebooks", type=Path, default=Path("notebooks"))
     ap.add_argument("--proxy-version", default="5")
     ap.add_argument("--proxy", default=os.environ.get("HUB_PROXY") or None)
+    ap.add_argument("--spawner", choices=["local", "slurm"], default="local",
+                    help="local: servers on this VM; slurm: each server a batch job (batchspawner)")
+    ap.add_argument("--partition", default="", help="the SLURM partition (--spawner slurm)")
     a = ap.parse_args(argv)
     prefix = a.prefix.resolve()
     p = paths(prefix)
@@ -168,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             prepare(prefix, a.notebooks, a.proxy_version)
             return 0
         if a.command in ("roster", "up"):
-            roster = plan(a.learners if a.learners is not None else 0 if a.names else 2, a.gpus_per_learner,
-                          a.gpus, a.names.split() or None, a.prefix_name, a.admin or None,
+            learners = a.learners if a.learners is not None else 0 if a.names else 2
+            gpus, per = a.gpus, a.gpus_per_learner
+            if a.spawner == "slurm":    # the cluster's nodes hold the GPUs (--gres), not this machine
+                per = per or 0
+                gpus = gpus if gpus is not None else (learners or len(a.names.split())) * per
+            roster = plan(learners, per, gpus, a.names.split() or None, a.prefix_name, a.admin or None,
                           a.port_base, a.port_block)
             print(f"hub: {len(roster.learners)} learners, {roster.gpus_per_learner} GPU(s) each, "
                   f"on {roster.gpus} GPU(s)")
@@ -185,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             made = system.create_users(roster.names, p["state"])
             if made:
                 print(f"hub: created users {' '.join(made)} (homes 0700)")
-            pid = start(prefix, a.port, a.hub_api_port, a.proxy_api_port, a.proxy)
+            pid = start(prefix, a.port, a.hub_api_port, a.proxy_api_port, a.proxy,
+                        extra={"spawner": a.spawner, "partition": a.partition, "port_base": a.port_base})
             print(f"hub: running (pid {pid}) on http://127.0.0.1:{a.port} (this machine only); log "
                   f"{p['state'] / 'hub.log'}")
             print(forward_line(a.port))

@@ -105,11 +105,15 @@ def configure(c, state: Path | None = None) -> None:
                                     "scopes": ["list:users", "read:users", "admin:servers", "admin:server_state",
                                                "servers", "access:servers"]}]
 
-    c.JupyterHub.spawner_class = spawner_class()
-    c.CourseSpawner.notebooks = s["notebooks"]
-    c.CourseSpawner.roster_file = str(state / "roster.json")
     c.Spawner.cmd = [s["singleuser"]]
     c.Spawner.notebook_dir = f"~/{COPY}"
     c.Spawner.default_url = "/lab"
     c.Spawner.start_timeout = 120          # a busy 2-core machine imports JupyterLab slowly
     c.Spawner.http_timeout = 120
+    if s.get("spawner") == "slurm":
+        from .slurm import configure_slurm
+        configure_slurm(c, s, roster, state)
+        return
+    c.JupyterHub.spawner_class = spawner_class()
+    c.CourseSpawner.notebooks = s["notebooks"]
+    c.CourseSpawner.roster_file = str(state / "roster.json")
