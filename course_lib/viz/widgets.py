@@ -195,9 +195,11 @@ class LayoutPlanner(Explorer):
         from .. import layout
         self.preset = W.Dropdown(options=list(layout.PRESETS), value=preset, description="model",
                                  layout=W.Layout(width="260px"))
-        self.nodes = W.BoundedIntText(value=nodes, min=1, max=512, description="nodes of 8")
-        self.batch = W.BoundedIntText(value=global_batch, min=1, max=65_536, description="global batch")
-        self.micro = W.Dropdown(options=[1, 2, 4, 8], value=largest_micro_batch, description="micro-batch ≤")
+        wide = {"description_width": "initial"}                       # labels shown whole, not cut
+        self.nodes = W.BoundedIntText(value=nodes, min=1, max=512, description="nodes of 8 GPUs", style=wide)
+        self.batch = W.BoundedIntText(value=global_batch, min=1, max=65_536, description="global batch", style=wide)
+        self.micro = W.Dropdown(options=[1, 2, 4, 8], value=largest_micro_batch, description="largest micro-batch",
+                                style=wide)
         self.out = W.HTML()
         self.state: dict = {}
         controls = (self.preset, self.nodes, self.batch, self.micro)
