@@ -5,7 +5,18 @@ MFU measured on this CPU."""
 import pytest
 import torch
 
-from course_lib.layout import PRESETS, Cluster, Layout, enumerate_layouts, explain, find, h100_cluster, predict, rank
+from course_lib.layout import (
+    PRESETS,
+    Cluster,
+    Layout,
+    enumerate_layouts,
+    explain,
+    find,
+    h100_cluster,
+    predict,
+    rank,
+    what_breaks_first,
+)
 from course_lib.layout.fake import compare, predicted_state_bytes, rank_state_bytes
 from course_lib.layout.memory import layer_activation_bytes
 from course_lib.layout.mfu import measure_matmul_peak, measure_mfu
@@ -178,6 +189,27 @@ def test_ring_cp_hides_transfers_under_causal_flops_only():
     # at scale: 70 B, CP 8 on NVLink: the unmasked count (4·h·s·t forward over the whole ring) hid every transfer
     big = predict(Layout(1, 1, 8, 8, 1, "none", 1, 256), PRESETS["llama-3-70b"], h100_cluster(8))["time"]
     assert big["cp"] > 0.03
+
+
+def test_explain_says_why_the_winner_wins_and_what_breaks_first():
+    m70, c = PRESETS["llama-3-70b"], h100_cluster(8)
+    rows = rank(m70, c, global_batch=256)
+    winner, second = rows[0], rows[1]
+    text = explain(winner, second, m70, c)
+    deciding = max(("tp", "cp", "dp", "bubble", "imbalance"), key=lambda k: second["time"][k] - winner["time"][k])
+    assert "It wins on" in text and f"{second['time'][deciding] - winner['time'][deciding]:.3f} s less" in text
+    w = what_breaks_first(m70, c, winner["layout"])
+    assert w["text"] in text and w["layout"] == winner["name"] and w["headroom_gib"] > 0
+    assert w["moves"] and all(mv["slower_s"] >= 0 for mv in w["moves"] if mv["fits"])   # the winner is the best
+    assert all(mv["breaks"] == "memory" for mv in w["moves"] if not mv["fits"])
+    assert all(mv["gib"] > c.limit_gib for mv in w["moves"] if mv["breaks"] == "memory")
+    # dropping ZeRO-1 is nearly free in time but needs all of Adam's states: memory breaks first
+    assert w["first"]["move"] == "ZeRO 1→0" and w["first"]["breaks"] == "memory" and "ZeRO" in w["first"]["fix"]
+    # trading CP for TP fits but puts TP's collectives on the critical path: communication
+    tp = next(mv for mv in w["moves"] if mv["move"] == "TP 1→2, CP 8→4")
+    assert tp["breaks"] == "communication" and tp["term"] == "tp" and w["nearest"] is tp
+    # more stages: the bubble (and the slowest stage's LM head) grow
+    assert "PP 8→16, CP 8→4" in w["by_kind"]["bubble"]
 
 
 def test_fused_attention_saves_no_scores_eager_does():

@@ -10,9 +10,10 @@ fastest without running out of memory? The modules answer it one idea at a time:
   group's GPUs sit (NVLink or the network).
 * :mod:`.memory`: the bytes of the fullest GPU, part by part (states by ZeRO stage, activations under 1F1B,
   recomputation, fused or eager attention).
-* :mod:`.timing`: the step's seconds, term by term (compute, recomputation, TP, CP, DP, pipeline sends, bubble),
-  and MFU.
-* :mod:`.ranking`: :func:`predict` one layout, :func:`rank` them all by time, :func:`explain` the winner.
+* :mod:`.timing`: the step's seconds, term by term (compute, the slowest stage's extra, recomputation,
+  element-wise work, TP, CP, DP, the optimizer's step, pipeline sends, bubble), and MFU.
+* :mod:`.ranking`: :func:`predict` one layout, :func:`rank` them all by time, :func:`explain` the winner, and
+  :func:`what_breaks_first` when one steps away from it (memory, communication or the bubble, and the knob).
 * :mod:`.mfu`: MFU measured on the machine at hand, against its measured matmul peak.
 * :mod:`.reference` and :mod:`.fake`: the model as real modules, and what one of 64 ranks holds, measured in one
   process with the fake process group and meta tensors.
@@ -20,9 +21,9 @@ fastest without running out of memory? The modules answer it one idea at a time:
 The planner's parameters come from data sheets (:func:`.shapes.h100_cluster`) and one stated assumption (the
 share of the peak a large matrix product sustains, :data:`.timing.EFFICIENCY`); nothing is fitted to a table.
 """
-from .ranking import explain, find, predict, rank, table
+from .ranking import explain, find, predict, rank, table, what_breaks_first
 from .shapes import PRESETS, Cluster, Model, h100_cluster
 from .space import Layout, enumerate_layouts
 
 __all__ = ["Cluster", "Layout", "Model", "PRESETS", "enumerate_layouts", "explain", "find", "h100_cluster",
-           "predict", "rank", "table"]
+           "predict", "rank", "table", "what_breaks_first"]

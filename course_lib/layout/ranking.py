@@ -65,18 +65,120 @@ def table(rows: list[dict], top: int = 10) -> list[str]:
     return lines
 
 
-def explain(winner: dict, runner_up: dict) -> str:
-    """Why ``winner`` beats ``runner_up`` (two rows of :func:`rank`), in words: the step times, then each term
-    where they differ by more than 1% of the winner's step, largest difference first."""
+def explain(winner: dict, runner_up: dict, model: Model | None = None, cluster: Cluster | None = None) -> str:
+    """Why ``winner`` beats ``runner_up`` (two rows of :func:`rank`), in words: the step times, the term that
+    decides (the largest difference), then each term where they differ by more than 1% of the winner's step,
+    largest difference first. With ``model`` and ``cluster``, also what breaks first when one moves away from
+    the winner (:func:`what_breaks_first`'s text)."""
     a, b = winner["time"], runner_up["time"]
     gap = b["step"] - a["step"]
     words = [f"{winner['name']} takes {a['step']:.3f} s a step (MFU {a['mfu']:.1%}, {winner['gib']:.1f} GiB a "
              f"GPU); {runner_up['name']} takes {b['step']:.3f} s (MFU {b['mfu']:.1%}, {runner_up['gib']:.1f} GiB), "
-             f"{gap:.3f} s more."]
+             f"{gap:.3f} s more ({gap / a['step']:.1%})."]
     diffs = sorted(((b[k] - a[k], k) for k in TERMS if abs(b[k] - a[k]) > 0.01 * a["step"]), reverse=True)
+    if diffs and diffs[0][0] > 0:
+        d, k = diffs[0]
+        words.append(f"It wins on {TERM_WORDS[k]}: {d:.3f} s less.")
     for d, k in diffs:
         side = "saves" if d > 0 else "costs"
         words.append(f"The winner {side} {abs(d):.3f} s in {TERM_WORDS[k]} ({a[k]:.3f} s against {b[k]:.3f} s).")
     if not diffs:
         words.append("No term differs by more than 1% of a step: the two are equal within the model's accuracy.")
+    if model is not None and cluster is not None:
+        words.append(what_breaks_first(model, cluster, winner["layout"])["text"])
     return " ".join(words)
+
+KIND = {"compute": "compute", "imbalance": "bubble", "recompute": "compute", "elementwise": "compute",
+        "tp": "communication", "cp": "communication", "dp": "communication", "optimizer": "compute",
+        "pp_p2p": "communication", "bubble": "bubble"}
+FIX = {"memory": "shard more: a higher ZeRO stage, more TP or PP, or full recomputation",
+       "communication": "keep that group inside a node or make it smaller; move the degree back",
+       "bubble": "more micro-batches (smaller ones) or fewer pipeline stages",
+       "compute": "drop recomputation or the extra work it brought; it fits without it"}
+GROUP_WORDS = {"tp": "TP", "cp": "CP", "dp": "DP", "pp_p2p": "PP", "bubble": "PP", "imbalance": "PP"}
+
+
+def _neighbours(layout: Layout, micro_batches) -> list[tuple[str, Layout]]:
+    """Layouts one step away on the same GPUs and the same global batch: a factor 2 moved between two degrees,
+    the ZeRO stage one up or down, recomputation switched, another micro-batch size."""
+    from dataclasses import replace
+    degrees = ("dp", "tp", "pp", "cp")
+    seqs = layout.dp * layout.micro_batch * layout.m
+    out = []
+    for a in degrees:
+        for b in degrees:
+            if a == b or getattr(layout, b) % 2:
+                continue
+            new = replace(layout, **{a: getattr(layout, a) * 2, b: getattr(layout, b) // 2})
+            if seqs % (new.dp * new.micro_batch):
+                continue
+            new = replace(new, m=seqs // (new.dp * new.micro_batch))
+            out.append((f"{a.upper()} {getattr(layout, a)}→{new.__dict__[a]}, {b.upper()} "
+                        f"{getattr(layout, b)}→{new.__dict__[b]}", new))
+    for z in (layout.zero - 1, layout.zero + 1):
+        if 0 <= z <= 3:
+            out.append((f"ZeRO {layout.zero}→{z}", replace(layout, zero=z)))
+    other = "none" if layout.recompute == "full" else "full"
+    out.append((f"recompute {layout.recompute}→{other}", replace(layout, recompute=other)))
+    for mb in micro_batches:
+        if mb != layout.micro_batch and (seqs // layout.dp) % mb == 0:
+            out.append((f"micro-batch {layout.micro_batch}→{mb}",
+                        replace(layout, micro_batch=mb, m=seqs // (layout.dp * mb))))
+    return out
+
+
+def what_breaks_first(model: Model, cluster: Cluster, layout: Layout, micro_batches=(1, 2, 4),
+                      efficiency: float = EFFICIENCY) -> dict:
+    """What goes wrong when you step away from ``layout`` (a winner, say), one knob at a time.
+
+    Returns ``{"layout", "step", "gib", "limit_gib", "headroom_gib", "moves", "first", "by_kind", "text"}``.
+    Each of ``"moves"`` (valid neighbours of the planner's space, :func:`_neighbours`) is a dict: ``"move"``
+    (words), ``"layout"`` (its name), ``"fits"``, ``"gib"``, ``"step"``, ``"slower_s"`` (its step minus this
+    one's), ``"breaks"`` (``"memory"`` when it no longer fits, else the kind of the term that grows most:
+    ``"communication"``, ``"bubble"`` or ``"compute"``), ``"term"`` and ``"term_s"`` (that term and its
+    growth), ``"fix"`` (the knob that fixes it). ``"first"`` is the worse move that costs least time (what
+    breaks first as you move away; a move that no longer fits breaks memory however fast it would be);
+    ``"nearest"`` the cheapest worse move that still fits; ``"by_kind"`` maps each kind to its moves' names;
+    ``"text"`` says it in words."""
+    from .space import enumerate_layouts
+    seqs = layout.dp * layout.micro_batch * layout.m
+    space = set(enumerate_layouts(model, cluster, seqs, micro_batches=tuple(sorted(set(micro_batches)
+                                                                                  | {layout.micro_batch}))))
+    here = predict(layout, model, cluster, efficiency)
+    moves = []
+    for words, lay in _neighbours(layout, micro_batches):
+        if lay not in space:
+            continue
+        p = predict(lay, model, cluster, efficiency)
+        grow = {k: p["time"][k] - here["time"][k] for k in TERMS}
+        term = max(grow, key=grow.get)
+        breaks = "memory" if not p["fits"] else KIND[term]
+        moves.append({"move": words, "layout": p["name"], "fits": p["fits"], "gib": p["gib"],
+                      "step": p["time"]["step"], "slower_s": p["time"]["step"] - here["time"]["step"],
+                      "breaks": breaks, "term": term, "term_s": grow[term], "fix": FIX[breaks]})
+    moves.sort(key=lambda mv: mv["slower_s"])
+    worse = [mv for mv in moves if mv["slower_s"] > 0 or not mv["fits"]]
+    first = worse[0] if worse else None
+    nearest = next((mv for mv in moves if mv["fits"] and mv["slower_s"] > 0), None)
+    by_kind = {k: [mv["move"] for mv in moves if mv["breaks"] == k] for k in ("memory", "communication",
+                                                                                "bubble", "compute")}
+    t = here["time"]
+    text = [f"{here['name']}: {t['step']:.3f} s a step, {here['gib']:.1f} GiB of {cluster.limit_gib:.1f} "
+            f"({cluster.limit_gib - here['gib']:.1f} GiB to spare)."]
+    if first is not None:
+        what = (f"memory ({first['gib']:.1f} GiB > {cluster.limit_gib:.1f})" if first["breaks"] == "memory" else
+                f"{first['breaks']}: {TERM_WORDS[first['term']]} grow by {first['term_s']:.3f} s")
+        text.append(f"What breaks first: {first['move']} costs {first['slower_s']:+.3f} s, in {what}; "
+                    f"the fix: {first['fix']}.")
+    for kind in ("memory", "communication", "bubble"):
+        if by_kind[kind] and (first is None or kind != first["breaks"]):
+            mv = next(m for m in moves if m["breaks"] == kind)
+            text.append(f"{kind.capitalize()} breaks on {', '.join(by_kind[kind][:3])}"
+                        + (f" ({mv['gib']:.1f} GiB)." if kind == "memory" else
+                           f" (the cheapest: {mv['move']}, +{mv['term_s']:.3f} s in {TERM_WORDS[mv['term']]})."))
+    if nearest is not None and nearest is not first:
+        text.append(f"The cheapest step that still fits: {nearest['move']}, {nearest['slower_s']:+.3f} s "
+                    f"({nearest['breaks']}: {TERM_WORDS[nearest['term']]}).")
+    return {"layout": here["name"], "step": t["step"], "gib": here["gib"], "limit_gib": cluster.limit_gib,
+            "headroom_gib": cluster.limit_gib - here["gib"], "moves": moves, "first": first,
+            "nearest": nearest, "by_kind": by_kind, "text": " ".join(text)}
