@@ -236,23 +236,37 @@ def test_saved_activation_bytes_of_a_real_block_are_the_formula(attention):
     # One block of the reference model on this CPU in bf16; autograd's saved tensors counted by storage
     # (saved_tensors_hooks), the block's weights and its input left out. Tolerance: none, byte for byte,
     # with the norms priced as what nn.RMSNorm really keeps on the CPU (fp32 copies: norm="composite").
-    from course_lib.memory.saved import saved_tensors
+    from course_lib.layout.reference import block_saved_bytes
     m = TINY.with_(hidden=128, heads=8, kv_heads=4, ffn=352, seq=64, attention=attention)
-    block = build(m, dtype=torch.bfloat16).blocks[0]
     for mb in (1, 2):
-        x = torch.randn(mb, m.seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
-        _, saved = saved_tensors(lambda x=x: block(x).sum(), exclude=[*block.parameters(), x])
-        measured = sum(s.nbytes for s in saved)
+        measured = block_saved_bytes(m, mb)
         lay = Layout(1, 1, 1, 1, 0, "none", mb, 1)
         formula = layer_activation_bytes(m, lay, norm="composite")
-        assert measured == formula["total"]                                   # 395,776 B fused, 479,744 eager (mb 1)
+        assert measured["total"] == formula["total"]                          # 395,776 B fused, 479,744 eager (mb 1)
         fused_norm = layer_activation_bytes(m, lay)                           # the planner's fused RMSNorm
-        assert measured - fused_norm["total"] == 2 * 6 * mb * m.seq * m.hidden    # 6·t·h bytes a norm more
+        assert measured["total"] - fused_norm["total"] == 2 * 6 * mb * m.seq * m.hidden   # 6·t·h bytes a norm more
     # SDPA keeps no s × s tensor; the eager block keeps the bf16 probabilities (and a bool mask)
-    sizes = {s.nbytes for s in saved}
+    sizes = {nbytes for _, _, nbytes in measured["tensors"]}
     probs = 2 * m.heads * m.seq * m.seq * 2
     assert (probs in sizes) == (attention == "eager") and formula["scores (eager)"] == (probs if attention == "eager"
                                                                                         else 0)
+    # the same with memory.saved's hooks (plain tensors): the same bytes
+    block = build(m, dtype=torch.bfloat16).blocks[0]
+    x = torch.randn(2, m.seq, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(lambda: block(x).sum(), exclude=[*block.parameters(), x]) == measured["total"]
+
+
+def test_saved_activation_bytes_on_one_of_two_tp_ranks_are_the_formula():
+    # Rank 0 of 2 under the fake process group, the block split as the composed code splits it (DTensor,
+    # sequence parallelism): every activation halved but the norms' gathered outputs, to the byte.
+    from course_lib.layout.reference import block_saved_bytes
+    m = TINY.with_(hidden=128, heads=8, kv_heads=4, ffn=352, seq=64)
+    one, two = block_saved_bytes(m, 1, tp=1), block_saved_bytes(m, 1, tp=2)
+    formula = layer_activation_bytes(m, Layout(1, 2, 1, 1, 0, "none", 1, 1), norm="composite")
+    assert two["total"] == formula["total"] == 214272
+    gathered = [t for t in two["tensors"] if t[0] == (64, 128) and t[1] == "torch.bfloat16"]
+    assert len(gathered) == 2                                                  # the two norms' outputs, whole
+    assert two["total"] == (one["total"] + 2 * 64 * 128 * 2) // 2             # half of all, plus half the gathered
 
 
 @pytest.mark.parametrize("layout", [Layout(64, 1, 1, 1, 3, "none", 1, 4), Layout(8, 8, 1, 1, 3, "none", 1, 32),
