@@ -182,3 +182,10 @@ def test_overlap_schedule_and_torchrun_picture():
     _, workers = viz.draw_torchrun(2, 3)
     assert [w["RANK"] for w in workers] == list(range(6))
     assert [(w["GROUP_RANK"], w["LOCAL_RANK"]) for w in workers] == [(n, k) for n in range(2) for k in range(3)]
+
+
+def test_sync_batchnorm_gathers_in_forward_and_all_reduces_in_backward():
+    """Notebook 04 says so (the text of torch's source: checked here, not in the notebook)."""
+    import inspect
+    fn = torch.nn.modules._functions.SyncBatchNorm
+    assert "all_gather" in inspect.getsource(fn.forward) and "all_reduce" in inspect.getsource(fn.backward)

@@ -40,3 +40,46 @@ def test_global_batch_stats_check():
                        (unbiased, "biased variance")):
         fb = ex04.check_global_batch_stats(fn)
         assert fb.status == WRONG and phrase in fb.message, fb
+
+
+# ---- notebook 04's end exercise: a BatchNorm over all ranks, differentiable (its folded solution) -------------
+import torch.distributed.nn.functional as dist_fn  # noqa: E402
+
+from course_lib.launch import run  # noqa: E402
+
+
+class GlobalBatchNorm1d(torch.nn.Module):
+    def __init__(self, differentiable=True):
+        super().__init__()
+        self.differentiable = differentiable
+
+    def forward(self, x):
+        count = torch.tensor([float(len(x))], dtype=x.dtype)
+        packed = torch.cat([x.sum(0), (x * x).sum(0), count])
+        if self.differentiable:
+            sums = dist_fn.all_reduce(packed)
+        else:
+            sums = packed.clone()
+            dist.all_reduce(sums)                       # invisible to autograd
+        c = x.shape[1]
+        mean = sums[:c] / sums[-1]
+        var = sums[c:2 * c] / sums[-1] - mean ** 2
+        return (x - mean) / torch.sqrt(var + 1e-5)
+
+
+def compare(rank, world_size, differentiable):
+    x = (torch.randn(4 + rank, 6, generator=torch.Generator().manual_seed(rank)) + rank).requires_grad_()
+    y = GlobalBatchNorm1d(differentiable)(x)
+    (y * torch.arange(6.0)).sum().backward()
+    return x.detach(), y.detach(), x.grad
+
+
+def test_notebook_04_solution_global_batchnorm_equals_one_process_only_when_differentiable():
+    for differentiable in (True, False):
+        out = run(compare, 3, differentiable, backend="gloo", show_output=False)
+        union = torch.cat([x for x, _, _ in out]).requires_grad_()
+        one = torch.nn.functional.batch_norm(union, None, None, training=True, eps=1e-5)
+        (one * torch.arange(6.0)).sum().backward()
+        assert torch.allclose(torch.cat([y for _, y, _ in out]), one, atol=1e-5)
+        same_grads = torch.allclose(torch.cat([g for _, _, g in out]), union.grad, atol=1e-5)
+        assert same_grads == differentiable
