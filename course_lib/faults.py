@@ -186,6 +186,24 @@ def seeds_worker(rank, world_size):
             "noise_seed_plus_rank": noise_seed_plus_rank.tolist()}
 
 
+class _WorkerSeed(torch.utils.data.Dataset):
+    """Each item: the seed of the DataLoader worker process that loaded it."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.utils.data.get_worker_info().seed
+
+
+def dataloader_worker_seeds(generator=None, workers: int = 2) -> list[int]:
+    """The seeds a ``DataLoader``'s worker processes got, one per worker (notebook 08's exercise 4). Without a
+    ``generator`` they are drawn from torch's global generator: ranks seeded alike give their workers the same
+    seeds."""
+    loader = torch.utils.data.DataLoader(_WorkerSeed(), batch_size=1, num_workers=workers, generator=generator)
+    return [int(seed) for (seed,) in loader]
+
+
 def loss_logging_worker(rank, world_size):
     """Each rank's loss on its own shard, and the mean over ranks (what should be logged)."""
     import torch.nn.functional as F

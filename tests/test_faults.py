@@ -96,3 +96,20 @@ def test_pitfall_demos_show_what_they_claim():
     assert all(abs(loss["mean"] - mean) < 1e-6 for loss in losses) and len({loss["local"] for loss in losses}) == 4
     assert all(t["wall"] > 0 and t["cpu"] > 0 for t in run(faults.matmul_worker, 2, 64, 5, backend="gloo",
                                                              show_output=False))
+
+
+
+def loader_seeds(rank, fix):
+    """Notebook 08's exercise 4, its solution as the notebook shows it (a call plays one rank, seeded as it would be:
+    the ranks of ``run`` are daemonic processes, which cannot start DataLoader workers)."""
+    import torch
+    torch.manual_seed(0)                                   # every rank seeded alike, as for the model
+    generator = torch.Generator().manual_seed(0 + rank) if fix else None
+    return faults.dataloader_worker_seeds(generator)
+
+
+def test_dataloader_workers_share_their_seeds_across_ranks_seeded_alike_unless_given_a_generator():
+    same = [loader_seeds(r, False) for r in (0, 1)]
+    fixed = [loader_seeds(r, True) for r in (0, 1)]
+    assert same[0] == same[1] and len(set(same[0])) == 2            # workers differ, ranks do not
+    assert not set(fixed[0]) & set(fixed[1])                        # with seed + rank: nothing shared
