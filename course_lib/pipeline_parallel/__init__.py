@@ -2,11 +2,15 @@
 
 * :mod:`.schedules`: GPipe and 1F1B as lists of ops, simulated (any plan: it says who waits for what when one
   deadlocks); the bubble formulas; activations held.
-* :mod:`.stages`: a schedule run for real across processes, measured (wall clock and CPU time), and replayed.
+* :mod:`.stages`: a schedule run for real across processes (:func:`stage_step` is the loop of one stage,
+  :func:`pipeline_worker` runs it with a :class:`StageClock`), measured (wall clock and CPU time), and replayed
+  (:func:`bubble_sweep`).
 * :mod:`.torch_pipelining`: the same with PyTorch's own ``torch.distributed.pipelining`` (GPipe, 1F1B,
   interleaved 1F1B). Not imported here: importing ``torch.distributed.pipelining`` takes a fresh Python
   seconds (it pulls in torch's compiler stack), so only the code that uses it pays for it
   (``from course_lib.pipeline_parallel.torch_pipelining import torch_pipeline_worker``).
+* :mod:`.zero_bubble`: torch's zero-bubble schedules (ZBV, DualPipeV), their plans played, run on the course's
+  MLP (not imported here either, for the same reason).
 """
 from .schedules import KINDS, bubble_formula, bubble_overhead, peak_in_flight, play, schedule, simulate, simulate_plan
 from .stages import (
