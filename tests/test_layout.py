@@ -111,9 +111,12 @@ def test_70b_on_64_h100s_is_ranked_by_time():
     print("\n" + explain(winner, rows[1]))
     assert all(r["fits"] for r in rows) and rows == sorted(rows, key=lambda r: r["time"]["step"])
     # What the model finds (EFFICIENCY 0.75, TP's collectives un-overlapped): pipeline and context parallelism
-    # inside the nodes, 256 micro-batches so the bubble is 3%, ZeRO-1 over the 8 CP ranks, about 73% MFU.
+    # inside the nodes, 256 micro-batches so the bubble is 3%, ZeRO-1 over the 8 CP ranks: 11.9 s, about 63% MFU
+    # (73% before the LM head's stage, causal CP overlap and the costs overlap cannot hide were counted). CP
+    # wins although each ring step now hides its transfer under half the FLOPs: 0.06 s of CP exposed a step.
     assert winner["name"] == "CP 8 × PP 8 × DP 1, ZeRO-1, mb 1 × 256"
-    assert 0.6 < winner["time"]["mfu"] < 0.8 and winner["gib"] <= winner["limit_gib"]
+    assert 0.6 < winner["time"]["mfu"] < 0.7 and winner["gib"] <= winner["limit_gib"]
+    assert 0.03 < winner["time"]["cp"] < 0.1
     w = winner["layout"]
     assert not (w.tp == 2 and w.dp == 32 and w.zero == 3)
     # The first planner's pick against issue 26's: both with one sequence a micro-batch, no recomputation.

@@ -11,7 +11,8 @@ creates its meta states. So the bytes of the states a rank would hold are *measu
 What the fake group cannot do here (torch 2.13, CPU): run a forward pass of the meta model. FSDP2 refuses
 ("FSDP parameters should be materialized from meta device before training"), and materialising a rank's
 shard of 70 B on this machine would take gigabytes. Activations are therefore checked at small scale, in one
-real process (:mod:`course_lib.memory.saved`'s hooks), and the states at 64 ranks.
+real process (:func:`.reference.block_saved_bytes`: one block, whole or on rank 0 of 2 with sequence
+parallelism, real CPU tensors under the fake group), and the states at 64 ranks.
 
 FSDP2 keeps the sharded parameters in fp32 (they are the master weights; ``MixedPrecisionPolicy`` gathers
 bf16 copies for compute) and their gradients in fp32: 4 + 4 + 8 (Adam) = 16 bytes a parameter, the total the
