@@ -66,6 +66,8 @@ time but adds no model FLOPs); so does every exposed second of communication and
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..comm.costmodel import predict as ring
 from ..context_parallel.traffic import forward_bytes
 from .memory import STAT, D, layer_params_on_gpu, params_on_gpu
@@ -94,6 +96,12 @@ def gemm_efficiency(model: Model, cluster: Cluster, layout: Layout, efficiency: 
     where a product is too small to be compute-bound. Each product of :func:`gemms` takes the longer of its
     FLOPs at ``efficiency·peak`` and its bytes (``2·(T·K + K·N + T·N)`` bf16) at the HBM bandwidth (the
     roofline, from the data sheet's two figures); the result is the FLOP-weighted share."""
+    return _gemm_efficiency(model, cluster, layout.tp, layout.cp, layout.micro_batch, efficiency)
+
+
+@lru_cache(maxsize=4096)
+def _gemm_efficiency(model: Model, cluster: Cluster, tp: int, cp: int, micro_batch: int, efficiency: float) -> float:
+    layout = Layout(1, tp, 1, cp, 0, "none", micro_batch, 1)
     rate = cluster.peak_flops * efficiency
     flops = sum(2 * t * k * n for t, k, n in gemms(model, layout))
     seconds = sum(max(2 * t * k * n / rate, 2 * (t * k + k * n + t * n) / cluster.hbm_bandwidth)
@@ -111,6 +119,7 @@ def elementwise_bytes(model: Model, layout: Layout) -> float:
     return 3 * forward / layout.tp
 
 
+@lru_cache(maxsize=65536)
 def _collective(kind: str, nbytes: float, n: int, link: tuple[float, float]) -> float:
     return float(ring(kind, nbytes, n, *link)) if n > 1 else 0.0
 
