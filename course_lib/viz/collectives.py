@@ -203,7 +203,7 @@ def draw_hierarchical_all_reduce(nodes: int = 2, gpus_per_node: int = 4):
                             arrowprops=dict(arrowstyle="<->", color="0.3", lw=1, alpha=0.6))
         else:
             for k in range(g):
-                ax.annotate("", xy=(k + 0.45, nodes - 0.05), xytext=(k + 0.45, 0.05),
+                ax.annotate("", xy=(k + 0.12, nodes - 0.05), xytext=(k + 0.12, 0.05),
                             arrowprops=dict(arrowstyle="<->", color=rank_color(k), lw=1.5))
         ax.set_xlim(-0.1, g + 0.1)
         ax.set_ylim(0, nodes)
@@ -213,19 +213,20 @@ def draw_hierarchical_all_reduce(nodes: int = 2, gpus_per_node: int = 4):
         for side in ax.spines.values():
             side.set_visible(False)
         ax.set_title(titles[phase - 1], fontsize=9)
-    fig.suptitle(f"hierarchical all-reduce on {nodes} nodes x {g} GPUs: chunk k (c k) and whose data it sums",
-                 fontsize=10)
+    fig.suptitle(f"hierarchical all-reduce on {nodes} nodes x {g} GPUs. c2: chunk 2; n0: summed over node 0's GPUs; "
+                 "all: summed over every GPU", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def plot_flat_vs_two_level(gpu_counts, flat: dict, two_level):
+def plot_flat_vs_two_level(gpu_counts, flat: dict, two_level,
+                           two_level_label: str = "two levels: fast links inside, network between"):
     """Predicted seconds per all-reduce as grouped bars: one group per GPU count, one bar per network.
 
     ``flat[label]`` and ``two_level`` are lists of seconds, one per entry of ``gpu_counts``. A log scale,
     with each bar's value written on it, so that milliseconds and seconds read side by side.
     """
-    series = list(flat.items()) + [("two levels: fast links inside, network between", list(two_level))]
+    series = list(flat.items()) + [(two_level_label, list(two_level))]
     fig, ax = plt.subplots(figsize=(9, 3.8))
     width = 0.8 / len(series)
     for i, (label, seconds) in enumerate(series):
@@ -236,7 +237,7 @@ def plot_flat_vs_two_level(gpu_counts, flat: dict, two_level):
     ax.set_yscale("log")
     ax.set_xticks(range(len(gpu_counts)), [f"{n} GPUs" for n in gpu_counts])
     ax.set_ylabel("seconds per all-reduce (predicted)")
-    ax.set_title("one all-reduce of 4 GB: a flat ring over one kind of link, or two levels", fontsize=10)
+    ax.set_title("one all-reduce, predicted: a flat ring over one kind of link, or two levels", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
