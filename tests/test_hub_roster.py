@@ -1,6 +1,7 @@
 """The hub's roster (course_lib.hub.roster): who gets which GPUs and ports on a shared VM. Plain Python: runs
 everywhere; the hub itself is tested in tests/test_hub.py."""
 import itertools
+import os
 import subprocess
 import sys
 
@@ -47,7 +48,8 @@ def test_a_cpu_machine_serves_a_cpu_class_and_says_how():
     r = plan(3, None, gpus=0)
     assert r.gpus_per_learner == 0 and all(s.gpus == () for s in r.seats)
     assert r.seat("learner3").env()["CUDA_VISIBLE_DEVICES"] == ""      # empty: torch sees no GPU
-    with pytest.raises(RosterError, match="GPUS_PER_LEARNER=0 for a CPU class"):
+    with pytest.raises(RosterError, match=r"2 learners x 1 GPUs need 2 GPUs and this machine has none \(nvidia-smi "
+                                          r"sees no GPU\): say GPUS_PER_LEARNER=0 for a CPU class"):
         plan(2, 1, gpus=0)
 
 
@@ -80,3 +82,15 @@ def test_the_cli_prints_the_roster_and_refuses_a_roster_the_gpus_cannot_serve():
     cmd[cmd.index("--learners") + 1] = "5"
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "5 learners x 2 GPUs need 10 GPUs; this machine has 8" in out.stderr
+
+
+def test_up_without_passwords_says_which_to_set_before_anything_changes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COURSE_HUB_")}
+    out = subprocess.run([sys.executable, "-m", "course_lib.hub", "up", "--prefix", str(tmp_path), "--gpus", "0",
+                          "--names", "hubtestnopw"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    if os.geteuid() == 0:
+        assert "set COURSE_HUB_PASSWORD" in out.stderr
+    else:
+        assert "needs root" in out.stderr
+    assert not (tmp_path / "state").exists() and "hubtestnopw" not in open("/etc/passwd").read()

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.command == "roster":
                 return 0
             system.need_root("make hub")
+            check_passwords(os.environ)          # before anything changes on the machine
             if hub_pid(p["state"]):
                 raise HubError(f"already running (pid {hub_pid(p['state'])}): make hub-stop first")
             p["state"].mkdir(parents=True, exist_ok=True)

@@ -149,7 +149,8 @@ def plan(learners: int, gpus_per_learner: int | None = None, gpus: int | None = 
         if gpus and learners <= gpus:
             hint += (" or " if hint else "") + f"give each {gpus // learners} (GPUS_PER_LEARNER={gpus // learners})"
         if not gpus:
-            hint = "this machine has no GPU (nvidia-smi sees none): say GPUS_PER_LEARNER=0 for a CPU class"
+            raise RosterError(f"{learners} learners x {gpus_per_learner} GPUs need {need} GPUs and this machine has "
+                              "none (nvidia-smi sees no GPU): say GPUS_PER_LEARNER=0 for a CPU class")
         raise RosterError(f"{learners} learners x {gpus_per_learner} GPUs need {need} GPUs; this machine has "
                           f"{gpus}: {hint}")
     names = list(names) if names else [f"{prefix}{i + 1}" for i in range(learners)]
