@@ -13,9 +13,10 @@ term of the returned dict:
   figures) and lowers the rate by the FLOP-weighted share (1.0 × ``efficiency`` for every preset here; a 64-wide
   toy's products are memory-bound). Not modelled: wave quantisation and tile effects (stated, not fitted).
 * **imbalance**: a pipeline runs at the pace of its slowest stage. Every stage holds ``layers/pp`` layers, but the
-  last one also runs the LM head (``6·V·h`` FLOPs a token: 12% of Llama-3-8B's model FLOPs, for 4 layers of 32
-  on PP 8 more than the 4 layers' own). The first stage's embedding is a lookup. The term is the slowest stage's
-  compute minus the average GPU's (zero without a pipeline); the bubble scales with the slowest stage too.
+  last one also runs the LM head (``6·V·h`` FLOPs a token: 6% of Llama-3-8B's model FLOPs, but on PP 8 the last
+  stage's 4 layers and the head do 1.5 times another stage's work). The first stage's embedding is a lookup.
+  The term is the slowest stage's compute minus the average GPU's (zero without a pipeline); the bubble scales
+  with the slowest stage too.
 * **elementwise**: the memory-bound work between the products (norms, residual adds, SwiGLU's product, rotary,
   the fp32 logits), :func:`elementwise_bytes` at the HBM bandwidth; nothing overlaps it (it is on the GPU's
   critical path, like the products).
@@ -50,6 +51,7 @@ term of the returned dict:
   states and master weights stay sharded). The planner prices FSDP2's default instead, the memory-lean end;
   the composed code's choice is the time-lean end of the same ZeRO-3 (and the same holds for ZeRO-2 under
   ``torch.distributed.pipelining``: its gradients are reduced once, as ZeRO-1's).
+
   *Overlap is never complete*: the last layer's gradients to be reduced (the first layer's, computed last) have
   no backward left beside them, and the first layer's gathered weights are needed before any forward: one
   layer's reduction (and gather) is always exposed (``over``'s ``tail``).
