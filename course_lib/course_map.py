@@ -63,8 +63,9 @@ NOTEBOOKS: list[Notebook] = [
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
              "partial", 10, 70, 90),
     Notebook("07_pipeline_schedules.ipynb", "Pipeline schedules",
-             "stages as processes; GPipe and 1F1B (you write it); the bubble, measured; torch.distributed.pipelining, "
-             "interleaved 1F1B", 0, "full", 40, 125, 180),
+             "GPipe and 1F1B (you write it); one stage's loop, its sends and receives (you write it); the bubble, "
+             "measured; torch.distributed.pipelining: interleaved 1F1B, zero bubble (ZBV, DualPipeV)", 0, "full", 50,
+             125, 180),
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
