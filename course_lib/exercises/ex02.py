@@ -6,9 +6,12 @@ not divide by the world size and sizes smaller than it, and compares every rank 
 The data are whole numbers, so every correct order of additions gives exactly the same sums, and a wrong
 answer can be recognised by what it equals (the rank's own data, a sum counted twice, ...).
 
-The checks run on Gloo, where a send posted before its receive simply waits in a socket buffer. NCCL is
-stricter: a send or receive issued on its own runs on the rank's stream in issue order, and it finishes only
-when the peer's matching operation runs too. So the check also records, on every rank, the order in which
+The checks run on Gloo, where ``isend`` returns at once and Gloo's threads move every posted operation at
+the same time. NCCL is stricter: a send or receive issued on its own is a kernel that runs after the ones
+issued before it, and it finishes only when the peer's matching operation runs too. (PyTorch may put
+operations with different peers on different streams; between two ranks, and in NCCL's own rule that a
+rank's concurrent sends and receives go in one group, the order is what counts. The replay is that
+conservative rule.) So the check also records, on every rank, the order in which
 the learner issued point-to-point operations (:func:`recording_p2p`), replays those orders with NCCL's rule
 (:func:`nccl_deadlock`) and calls a pattern that would hang there wrong, even when Gloo gave the right sums.
 A ring whose ranks each post ``isend`` to the right before ``irecv`` from the left is such a pattern; the
