@@ -32,7 +32,8 @@ SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def missing() -> list[str]:
-    """The zero-bubble schedules this torch lacks (torch 2.11 has ZBV but not DualPipeV; 2.13 has both)."""
+    """The zero-bubble schedules this torch lacks (2.13 has both; an older torch may lack either: the notebook then
+    skips them and says which)."""
     import torch.distributed.pipelining as pipelining  # takes seconds in a fresh Python: only when asked
     return [name for name in SCHEDULES.values() if not hasattr(pipelining, name)]
 
