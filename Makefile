@@ -45,7 +45,7 @@ lint: setup
 	$(BIN)/python -m ruff check .
 
 doctor: setup
-	$(BIN)/python -m course_lib doctor
+	HUB_PREFIX=$(HUB_PREFIX) $(BIN)/python -m course_lib doctor
 
 clean:
 	rm -rf $(VENV) *.egg-info

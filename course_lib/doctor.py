@@ -167,7 +167,8 @@ def _hub(prefix: str, gpus: int, cores: int, jupyterhub: str | None, proxy: str 
     if roster:
         learners = [s for s in roster["seats"] if not s["admin"]]
         need = len(learners) * roster["gpus_per_learner"]
-        detail.append(f"roster: {len(learners)} learners x {roster['gpus_per_learner']} GPUs")
+        detail.append(f"roster: {len(learners)} learner{'s' if len(learners) != 1 else ''} x "
+                      f"{roster['gpus_per_learner']} GPUs")
         if need > gpus:
             status, fix = FAIL, f"the roster needs {need} GPUs and this machine has {gpus}: make hub LEARNERS=..."
     detail.append(f"proxy {proxy}" if proxy else "configurable-http-proxy missing")
@@ -187,8 +188,9 @@ def _hub_here() -> Check:
     except ImportError:
         version = None
     venv = prefix / "venv" / "bin" / "jupyterhub"
-    if version is None and venv.exists():
-        version = "in " + str(venv)
+    if version is None and venv.exists():   # the hub's own venv: its version from the installed metadata
+        found = sorted(prefix.glob("venv/lib/python3*/site-packages/jupyterhub-*.dist-info"))
+        version = (found[-1].name.split("-")[1].removesuffix(".dist") if found else "?") + f" in {prefix / 'venv'}"
     proxy = prefix / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
     proxy = str(proxy) if proxy.exists() else shutil.which("configurable-http-proxy")
     try:
