@@ -165,6 +165,8 @@ def test_two_learners_started_through_the_rest_api_run_as_themselves_with_their_
                                                                      (PREFIX / "notebooks").glob("*.ipynb"))
     status, _ = hub.api("users/mallory/server", "POST")
     assert status == 404, "a user not on the roster got a server"
+    assert hub.api(f"users/{ADMIN}")[1]["admin"] is True                 # the instructor administers the hub
+    assert [hub.api(f"users/{n}")[1]["admin"] for n in LEARNERS] == [False, False]
 
 
 def test_one_learners_edit_leaves_the_others_copy_alone_and_the_other_cannot_read_it(hub):
