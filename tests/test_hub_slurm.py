@@ -20,7 +20,7 @@ from course_lib.hub import system
 from course_lib.launch import free_port
 from course_lib.launch.slurm import probe
 
-LEARNER, ADMIN, BASE, SPAN = "hubslurm1", "hubslurmadmin", 25000, 10000
+LEARNER, ADMIN, BASE, SPAN = "hubslurm1", "hubslurmadmin", 21000, 10000   # ports 21000-30999: below 32768
 
 
 @pytest.fixture(scope="module")
