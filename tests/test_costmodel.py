@@ -105,3 +105,9 @@ def test_notebook_02_exercise_1_crossover_solution():
     assert math.isclose(n_star, 11 * a / (1.25 * b))         # 14α + 1.75nβ = 3α + 3nβ
     ring, rd = (costmodel.predict(name, [n_star / 2, n_star, 2 * n_star], 8, a, b) for name in steps)
     assert math.isclose(ring[1], rd[1]) and rd[0] < ring[0] and ring[2] < rd[2]
+
+
+def test_ring_against_the_library_in_alternation():
+    out = run(costmodel.ring_vs_library, 3, 4096 * 4, 3, backend="gloo", show_output=False)
+    assert all(o == out[0] for o in out)                      # every rank returns the same all-reduced medians
+    assert set(out[0]) == {"ring", "dist.all_reduce"} and all(t > 0 for t in out[0].values())
