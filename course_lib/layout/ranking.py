@@ -66,22 +66,27 @@ def table(rows: list[dict], top: int = 10) -> list[str]:
 
 
 def explain(winner: dict, runner_up: dict, model: Model | None = None, cluster: Cluster | None = None) -> str:
-    """Why ``winner`` beats ``runner_up`` (two rows of :func:`rank`), in words: the step times, the term that
-    decides (the largest difference), then each term where they differ by more than 1% of the winner's step,
-    largest difference first. With ``model`` and ``cluster``, also what breaks first when one moves away from
-    the winner (:func:`what_breaks_first`'s text)."""
+    """Why ``winner`` beats ``runner_up`` (two rows of :func:`rank`), in words: the step times, what the winner
+    saves (each term where it is faster by more than 1% of its step, largest first, and their sum), then what it
+    pays back (the terms where it is slower). With ``model`` and ``cluster``, also what breaks first when one
+    moves away from the winner (:func:`what_breaks_first`'s text)."""
     a, b = winner["time"], runner_up["time"]
     gap = b["step"] - a["step"]
     words = [f"{winner['name']} takes {a['step']:.3f} s a step (MFU {a['mfu']:.1%}, {winner['gib']:.1f} GiB a "
              f"GPU); {runner_up['name']} takes {b['step']:.3f} s (MFU {b['mfu']:.1%}, {runner_up['gib']:.1f} GiB), "
              f"{gap:.3f} s more ({gap / a['step']:.1%})."]
     diffs = sorted(((b[k] - a[k], k) for k in TERMS if abs(b[k] - a[k]) > 0.01 * a["step"]), reverse=True)
-    if diffs and diffs[0][0] > 0:
-        d, k = diffs[0]
-        words.append(f"It wins on {TERM_WORDS[k]}: {d:.3f} s less.")
-    for d, k in diffs:
-        side = "saves" if d > 0 else "costs"
-        words.append(f"The winner {side} {abs(d):.3f} s in {TERM_WORDS[k]} ({a[k]:.3f} s against {b[k]:.3f} s).")
+    saves = [(d, k) for d, k in diffs if d > 0]
+    costs = [(-d, k) for d, k in diffs if d < 0]
+
+    def listed(items):
+        return "; ".join(f"{d:.3f} s in {TERM_WORDS[k]} ({a[k]:.3f} against {b[k]:.3f})" for d, k in items)
+    if saves:
+        words.append(f"Why it wins: it saves {sum(d for d, _ in saves):.3f} s ({listed(saves)})"
+                     + (f", and pays {sum(d for d, _ in costs):.3f} s back ({listed(costs)})." if costs else "."))
+    elif costs:
+        words.append(f"It pays {sum(d for d, _ in costs):.3f} s more in {listed(costs)}, and wins on the small "
+                     "terms under 1% of a step each.")
     if not diffs:
         words.append("No term differs by more than 1% of a step: the two are equal within the model's accuracy.")
     if model is not None and cluster is not None:
@@ -168,12 +173,13 @@ def what_breaks_first(model: Model, cluster: Cluster, layout: Layout, micro_batc
     if first is not None:
         what = (f"memory ({first['gib']:.1f} GiB > {cluster.limit_gib:.1f})" if first["breaks"] == "memory" else
                 f"{first['breaks']}: {TERM_WORDS[first['term']]} grow by {first['term_s']:.3f} s")
-        text.append(f"What breaks first: {first['move']} costs {first['slower_s']:+.3f} s, in {what}; "
-                    f"the fix: {first['fix']}.")
+        cost = (f"would save {-first['slower_s']:.3f} s but breaks" if first["slower_s"] < 0 else
+                f"costs {first['slower_s']:.3f} s, in" if first["slower_s"] > 0 else "costs no time but breaks")
+        text.append(f"What breaks first: {first['move']} {cost} {what}; the fix: {first['fix']}.")
     for kind in ("memory", "communication", "bubble"):
         if by_kind[kind] and (first is None or kind != first["breaks"]):
             mv = next(m for m in moves if m["breaks"] == kind)
-            text.append(f"{kind.capitalize()} breaks on {', '.join(by_kind[kind][:3])}"
+            text.append(f"{kind.capitalize()} breaks on {'; '.join(f'({mv_})' for mv_ in by_kind[kind][:3])}"
                         + (f" ({mv['gib']:.1f} GiB)." if kind == "memory" else
                            f" (the cheapest: {mv['move']}, +{mv['term_s']:.3f} s in {TERM_WORDS[mv['term']]})."))
     if nearest is not None and nearest is not first:

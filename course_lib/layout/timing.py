@@ -78,6 +78,8 @@ from .space import Layout, inside_node
 
 EFFICIENCY = 0.75   # assumed share of the dense bf16 peak that large matrix products sustain (module docstring)
 TERMS = ("compute", "imbalance", "recompute", "elementwise", "tp", "cp", "dp", "optimizer", "pp_p2p", "bubble")
+CP_STEP_LAUNCH = 10e-6   # seconds a ring step's kernels and send/receive take to launch and sync, forward or backward:
+                         # an assumption (a few kernels at ~3-5 µs each), stated, not fitted
 ADAM_BYTES = 28     # a parameter's optimizer step: read bf16 gradient (2), read + write fp32 master, m, v (24),
                     # write the bf16 weight (2): fused Adam, memory-bound
 
@@ -174,8 +176,18 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
         step_f = link[0] + sent / (cp - 1) * link[1]                      # one ring step's K/V block, forward
         step_b = (2 * cp - 1) / (cp - 1) * step_f                          # the backward's (module docstring)
         # causal q·kᵀ and probs·v: half of PaLM's 4·h·s a token forward (8·h·s backward), in cp equal steps
-        attn_f = 2 * model.hidden * model.seq * t / tp / rate / cp
-        cp_s = layers * m * (cp - 1) * (max(0.0, step_f - attn_f) + max(0.0, step_b - 2 * attn_f))
+        # on the roofline, like the matrix products: a step's FLOPs at efficiency·peak or its tile's bytes (q and
+        # the output, the K/V block: FlashAttention reads no s² scores) at HBM speed, whichever is longer
+        attn_flops = 2 * model.hidden * model.seq * t / tp / cp
+        tile_bytes = (2 * t * model.hidden // tp + 2 * (model.seq // cp) * kv * model.head_dim) * D
+        attn_f = max(attn_flops / (efficiency * cluster.peak_flops), tile_bytes / cluster.hbm_bandwidth)
+        # what no transfer hides, each ring step: its kernels' launches and the online-softmax merge of its partial
+        # output into the running one (fp32 output and logsumexp read and written, forward; dQ accumulated and the
+        # dK, dV block received, added and passed on, backward), memory-bound on the compute stream
+        merge_f = 3 * t * (model.hidden // tp) * STAT / cluster.hbm_bandwidth
+        merge_b = 2 * merge_f + 3 * 2 * t * kv * model.head_dim * STAT / cluster.hbm_bandwidth
+        fixed = 2 * CP_STEP_LAUNCH + merge_f + merge_b
+        cp_s = layers * m * (cp - 1) * (max(0.0, step_f - attn_f) + max(0.0, step_b - 2 * attn_f) + fixed)
 
     n = layout.dp * cp
     link = cluster.link(inside_node(layout, "dp", cluster.gpus_per_node))
