@@ -151,3 +151,17 @@ def peak_in_flight(kind: str, stages: int, micro_batches: int) -> list[int]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def ranks_overlap(timelines: list[list[tuple]]) -> float:
+    """How much two ranks computed at the same time: the wall-clock seconds during which both ran an op, over the
+    less busy rank's busy seconds. ``timelines[r]`` lists ``(op, i, ..., start, end)``. A pipeline whose ranks
+    work side by side gives well above 0 (1F1B, 2 stages, 8 micro-batches: 21 of 24 units, 0.875); ranks that
+    run one after the other give 0. Time-slicing on a busy machine stretches the ops but leaves them
+    overlapping, so the share stays far from 0 there too."""
+    def busy(ops):
+        return [(a, b) for *_, a, b in ops]
+    first, second = (busy(t) for t in timelines[:2])
+    both = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in first for a2, b2 in second)
+    least = min(sum(b - a for a, b in first), sum(b - a for a, b in second))
+    return both / least if least > 0 else 0.0

@@ -43,6 +43,10 @@ def v_stages(rank: int, world_size: int) -> list[int]:
     return [rank, 2 * world_size - 1 - rank]
 
 
+_OPS = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}   # by name: the
+# enum's values are the letters in torch 2.13, integers in older versions
+
+
 def actions(order: dict) -> list[list[tuple[str, int, int]]]:
     """``schedule.pipeline_order`` as per-rank lists of ``(op, micro_batch, stage)``: op ``F``, ``I``, ``W`` or
     ``B`` (input and weight gradient together); idle slots dropped, an ``OVERLAP_F_B`` split into its parts."""
@@ -51,7 +55,8 @@ def actions(order: dict) -> list[list[tuple[str, int, int]]]:
         ops = []
         for a in order[rank]:
             for part in (a.sub_actions or ()) if a is not None and a.sub_actions else ([a] if a else []):
-                ops.append((part.computation_type.value, part.microbatch_index, part.stage_index))
+                kind = part.computation_type.name
+                ops.append((_OPS.get(kind, kind), part.microbatch_index, part.stage_index))
         out.append(ops)
     return out
 
