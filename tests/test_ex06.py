@@ -21,7 +21,7 @@ class Parts(nn.Module):
         return x
 
 
-def learner(cut=lambda a, b: (a, b), move=True, reverse=False, copy_layers=False):
+def learner(cut=lambda a, b: (a, b), move=True, reverse=False, copy_layers=False, place="each"):
     """A split function as a learner might write it; the keywords put one known mistake in."""
     def my_split(model, points, devices):
         bounds = [0, *points, len(model)]
@@ -29,7 +29,8 @@ def learner(cut=lambda a, b: (a, b), move=True, reverse=False, copy_layers=False
         for a, b, device in zip(bounds, bounds[1:], devices):
             lo, hi = cut(a, b)
             part = nn.Sequential(*list(model)[lo:hi])
-            parts.append((copy.deepcopy(part) if copy_layers else part).to(device))
+            part = copy.deepcopy(part) if copy_layers else part
+            parts.append(part.to(device) if place == "each" else part.to(devices[0]) if place == "first" else part)
         return Parts(parts, devices, move, reverse)
     return my_split
 
@@ -52,6 +53,8 @@ def test_the_stub_is_not_attempted():
     (learner(cut=lambda a, b: (a, b + 1)), "layer(s) [4] ran twice: the parts overlap"),
     (learner(move=False), "at split point 4 (between layer 3 and layer 4) the activation was not moved"),
     (learner(reverse=True), "ran in the order [4, 5, 6, 7, 0, 1, 2, 3]: the parts run in the wrong order"),
+    (learner(place="never"), "part 0 (layers 0 to 3) was never put on its device: call .to(devices[0])"),
+    (learner(place="first"), "part 1 (layers 4 to 7) went to devices[0], not devices[1]"),
     (learner(copy_layers=True), "the model's own layers got no gradient: did you copy them"),
     (lambda model, points, devices: model, "returned the model itself"),
     (lambda model, points, devices: None, "returned NoneType, which cannot be called"),

@@ -9,10 +9,14 @@ It also watches the run, to name a mistake rather than only report a difference:
 of the model's layers notes which layer runs when, and a ``TorchFunctionMode`` (PyTorch's hook on every
 tensor function) notes each ``Tensor.to``/``.cpu``/``.cuda``. The check runs on the CPU, so every "device" is
 ``"cpu"``: a forgotten move raises nothing here (on two GPUs it would raise "Expected all tensors to be on
-the same device"), but the check sees that no move happened between the two parts.
+the same device"), but the check sees that no move happened between the two parts. For the parts' placement it wraps
+``nn.Module.to`` while the learner's function runs: each device it is handed is a distinct ``str`` ("cpu") that
+knows its index k, so a part left where it was, or put on ``devices[0]`` instead of ``devices[k]``, is named
+(a device the learner built anew, e.g. ``torch.device(devices[k])``, cannot be traced and is accepted).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -39,6 +43,50 @@ def make_model() -> nn.Sequential:
     """The model the check splits: 4 x (Linear(16, 16) + Tanh), 8 layers, all 16 wide (so that parts run in the
     wrong order still fit together, and only the numbers show it)."""
     return mlp([16] * 5, nn.Tanh, last_activation=True, seed=0)
+
+
+class _Device(str):
+    """``"cpu"``, knowing that it is ``devices[k]``."""
+
+    def __new__(cls, name: str, k: int):
+        obj = super().__new__(cls, name)
+        obj.k = k
+        return obj
+
+
+@contextlib.contextmanager
+def _watch_placement(moves: list):
+    """Note each ``module.to(...)`` as ``(ids of its parameters, the device argument as passed)``."""
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        raw = next((a for a in (*args, kwargs.get("device")) if isinstance(a, (str, torch.device))), None)
+        moves.append(({id(p) for p in self.parameters()}, raw))
+        return original(self, *args, **kwargs)
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
+
+
+def _read_placement(moves: list, model: nn.Sequential, points: list[int]) -> str | None:
+    """Whether part k's layers were moved to ``devices[k]``: a message naming the first that was not."""
+    bounds = [0, *points, len(model)]
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for layer in list(model)[a:b]:
+            ids = {id(p) for p in layer.parameters()}
+            if not ids:
+                continue
+            last = next((raw for got, raw in reversed(moves) if ids & got), None)
+            if last is None:
+                return (f"part {k} (layers {a} to {b - 1}) was never put on its device: call .to(devices[{k}]) on "
+                        "it. On the CPU nothing fails, but on GPUs the part would stay where the model was")
+            if isinstance(last, _Device) and last.k != k:
+                return (f"part {k} (layers {a} to {b - 1}) went to devices[{last.k}], not devices[{k}]: part k goes "
+                        "on devices[k], or every part lands on one device and nothing is split")
+            break
+    return None
 
 
 def _target(func, args, kwargs) -> torch.device | None:
@@ -93,7 +141,7 @@ def _read_run(events: list, n: int, points: list[int], devices: list[str]) -> st
 
 def _attempt(fn, points: list[int]) -> tuple[Feedback | None, dict]:
     """Split a fresh model with ``fn``, run it once under watch; ``(feedback, what happened)``."""
-    model, devices = make_model(), ["cpu"] * (len(points) + 1)
+    model, devices = make_model(), [_Device("cpu", k) for k in range(len(points) + 1)]
     reference = copy.deepcopy(model)
     events: list = []
     for k, layer in enumerate(model):
@@ -102,7 +150,9 @@ def _attempt(fn, points: list[int]) -> tuple[Feedback | None, dict]:
     y = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
     where = f"split at {points} onto {devices}"
     try:
-        split = fn(model, points, devices)
+        moves: list = []
+        with _watch_placement(moves):
+            split = fn(model, points, devices)
         if split is model:
             return wrong(f"{where}: your function returned the model itself: cut it into parts"), {}
         if not callable(split):
@@ -119,7 +169,8 @@ def _attempt(fn, points: list[int]) -> tuple[Feedback | None, dict]:
     if not isinstance(out, torch.Tensor):
         return wrong(f"{where}: calling the split model returned {type(out).__name__}, not a tensor"), {}
     return None, {"model": model, "reference": reference, "events": events, "out": out, "x": x, "y": y,
-                  "devices": devices, "where": where}
+                  "devices": devices, "where": where,
+                  "placement": _read_placement(moves, model, points)}
 
 
 def check_split(fn) -> Feedback:
@@ -148,5 +199,7 @@ def check_split(fn) -> Feedback:
                          "their data, so that training the split model trains the model")
         if not all(torch.allclose(g, r.grad, atol=1e-6) for g, r in zip(grads, reference.parameters())):
             return wrong(f"{where}: the output is right but the gradients differ from the unsplit model's")
+        if run["placement"]:
+            return wrong(f"{where}: {run['placement']}")
     return passed(f"outputs and gradients equal the unsplit model's for the splits {list(CASES)}, and the "
-                  "activation moves to the next part's device at every split point")
+                  "activation moves to the next part's device at every split point; part k is on devices[k]")
