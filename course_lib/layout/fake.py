@@ -34,11 +34,13 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def rank_state_bytes(model: Model, layout: Layout, rank: int = 0, device: str = "meta", step: bool = True) -> dict:
-    """Bytes of parameters, gradients and AdamW states on ``rank`` of ``layout``'s ``dp·cp × tp`` GPUs of the
-    first pipeline stage (its ``layers/pp`` layers and the embedding; with ``pp = 1`` the LM head too), built on
-    ``device`` (``"meta"``: no memory), TP by DTensor, ZeRO-3 by FSDP2 over ``dp·cp``. Needs no process group: it
-    starts the fake one and ends it."""
+def rank_state_bytes(model: Model, layout: Layout, rank: int = 0, device: str = "meta", step: bool = True,
+                     stage: int = 0) -> dict:
+    """Bytes of parameters, gradients and AdamW states on ``rank`` of the ``dp·cp × tp`` GPUs of pipeline
+    ``stage`` (its ``layers/pp`` layers; the embedding on stage 0, the final norm and LM head on the last),
+    built on ``device`` (``"meta"``: no memory), TP by DTensor, ZeRO-3 by FSDP2 over ``dp·cp``. The fake group
+    holds one stage's GPUs (no pipeline collective is needed to build a stage): call it once per stage. Needs no
+    process group: it starts the fake one and ends it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -46,13 +48,16 @@ def rank_state_bytes(model: Model, layout: Layout, rank: int = 0, device: str = 
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this process: the fake one needs its own")
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage must be in 0..{layout.pp - 1}, got {stage}")
     if layout.zero not in (0, 3):
         raise ValueError("the fake-rank check builds no ZeRO (0) or FSDP2 (ZeRO-3) layouts")
     shard, world = layout.dp * layout.cp, layout.dp * layout.cp * layout.tp
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (shard, layout.tp), mesh_dim_names=("shard", "tp"))
-        net = build(model, device=device, layers=model.layers // layout.pp, head=layout.pp == 1)
+        net = build(model, device=device, layers=model.layers // layout.pp, embedding=stage == 0,
+                    head=stage == layout.pp - 1)
         if layout.tp > 1:
             parallelize_module(net, mesh["tp"], tp_plan(net))
         if layout.zero == 3 and shard > 1:
@@ -75,15 +80,17 @@ def rank_state_bytes(model: Model, layout: Layout, rank: int = 0, device: str = 
         dist.destroy_process_group()
 
 
-def predicted_state_bytes(model: Model, layout: Layout) -> int:
-    """The planner's bytes of weights, gradients, optimizer states and master weights on a first-stage GPU."""
+def predicted_state_bytes(model: Model, layout: Layout, stage: int = 0) -> int:
+    """The planner's bytes of weights, gradients, optimizer states and master weights on a GPU of ``stage``
+    (without :mod:`.memory`'s fp32 gradient accumulator, which FSDP2 without a pipeline does not keep apart:
+    its fp32 gradient shard is the one counted)."""
     from .memory import stage_memory
-    mem = stage_memory(model, layout, 0)
+    mem = stage_memory(model, layout, stage)
     return sum(mem[k] for k in ("weights", "gradients", "optimizer states", "fp32 master weights"))
 
 
-def compare(model: Model, layout: Layout, rank: int = 0) -> dict:
-    """``{"measured", "predicted", "ratio"}``: a fake rank's state bytes against the planner's."""
-    measured = rank_state_bytes(model, layout, rank)["total"]
-    predicted = predicted_state_bytes(model, layout)
+def compare(model: Model, layout: Layout, rank: int = 0, stage: int = 0) -> dict:
+    """``{"measured", "predicted", "ratio"}``: a fake rank's state bytes against the planner's, on ``stage``."""
+    measured = rank_state_bytes(model, layout, rank, stage=stage)["total"]
+    predicted = predicted_state_bytes(model, layout, stage)
     return {"measured": measured, "predicted": predicted, "ratio": measured / predicted}

@@ -50,9 +50,15 @@ that variant.
 first backward: the first stage holds ``min(pp, m)`` micro-batches' activations, the last one (notebook 07).
 Without a pipeline, gradient accumulation frees each micro-batch's activations in its backward: one at a time.
 **Full recomputation** keeps only each layer's input and rebuilds one layer at a time in the backward.
+**Gradients in fp32** (:data:`FP32_GRADS`, on by default): Megatron-LM accumulates every micro-batch's gradient
+into an fp32 ``main_grad`` and reduces it in fp32; torchtitan's FSDP2 reduces in fp32
+(``MixedPrecisionPolicy(reduce_dtype=torch.float32)``). So a GPU holds 2 bytes a parameter more than bf16
+gradients for the whole gradient (ZeRO 0–1), for its shard (ZeRO-2), and nothing more under ZeRO-3 (FSDP2's fp32
+gradient shard belongs to its fp32 master shard, and no separate bf16 weight shard is kept: 16 bytes either way).
 **Transient buffers**: ZeRO-3 holds two gathered layers (the one computing and the one FSDP2 prefetches) and one
-layer's unsharded gradients before their reduce-scatter. What is left out (the allocator's fragmentation, NCCL's
-buffers, the CUDA context: a few GiB) is why a layout fits only in 90% of the GPU (``arithmetic.fits``).
+layer's unsharded gradients before their reduce-scatter (in fp32). What is left out (the allocator's
+fragmentation, NCCL's buffers, the CUDA context: a few GiB) is why a layout fits only in 90% of the GPU
+(``arithmetic.fits``).
 """
 from __future__ import annotations
 
@@ -61,6 +67,8 @@ from .shapes import Model
 from .space import Layout
 
 D = 2            # bytes of a bf16 activation, weight or gradient
+FP32_GRADS = True   # gradients accumulated and reduced in fp32 (module docstring): Megatron's main_grad,
+                    # torchtitan's MixedPrecisionPolicy(reduce_dtype=float32)
 STAT = 4         # bytes of an fp32 statistic (RMSNorm's 1/rms, attention's logsumexp, the loss's logits)
 NORMS = ("fused", "composite")
 
@@ -136,9 +144,17 @@ def stage_memory(model: Model, layout: Layout, stage: int = 0) -> dict:
     acts = activation_bytes(model, layout, stage)
     mem = training_memory(params_on_gpu(model, layout, stage), "bf16", "adam", acts["total"],
                           zero_stage=layout.zero, world_size=layout.dp * layout.cp)
+    params, n = params_on_gpu(model, layout, stage), layout.dp * layout.cp
     layer = layer_params_on_gpu(model, layout.tp) * D
-    mem["ZeRO-3 gathered layers"] = 3 * layer if layout.zero == 3 and layout.dp * layout.cp > 1 else 0
-    mem["total"] += mem["ZeRO-3 gathered layers"]
+    zero3 = layout.zero == 3 and n > 1
+    # two gathered layers and one layer's unsharded gradients (fp32 for the reduction: 2 bytes more a value)
+    mem["ZeRO-3 gathered layers"] = (3 * layer + (layer if FP32_GRADS else 0)) if zero3 else 0
+    # fp32 gradient accumulation: 2 bytes a parameter over the bf16 gradient counted above, on the whole
+    # gradient (ZeRO 0-1) or its shard (ZeRO-2); ZeRO-3's fp32 shard is the gradient of FSDP2's fp32 master
+    # shard, whose bf16 copy it does not keep: the 16 bytes a parameter already counted
+    extra = 2 * params if layout.zero <= 1 else -(-2 * params // n) if layout.zero == 2 else 0
+    mem["fp32 gradient accumulation"] = extra if FP32_GRADS else 0
+    mem["total"] += mem["ZeRO-3 gathered layers"] + mem["fp32 gradient accumulation"]
     mem["activation parts"] = acts
     return mem
 

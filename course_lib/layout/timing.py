@@ -33,9 +33,21 @@ term of the returned dict:
   attention, and only what that step's FLOPs cannot hide is exposed. Under a causal mask a rank computes about
   half of its blocks' scores; with the zigzag split every step does the same work, ``1/W`` of the causal total
   (notebook 15). So a step hides its transfer behind ``2·h·s·t/(tp·W)`` FLOPs forward (twice that backward), not
-  the unmasked ``4·h·s·t`` PaLM counts for the whole ring.
+  the unmasked ``4·h·s·t`` PaLM counts for the whole ring, priced on the roofline like the products (its FLOPs
+  at ``efficiency·peak`` or its tile's q, output and K/V bytes at HBM speed: FlashAttention reads no scores).
+  Each ring step also pays what no transfer hides: :data:`CP_STEP_LAUNCH` twice (its kernels and its
+  send/receive launched and synchronised, forward and backward: an assumption, stated) and the online-softmax
+  merge of its partial result into the running one, memory-bound (fp32 output and logsumexp read and written
+  forward; dQ accumulated and the dK, dV block received, added and passed on backward).
+
+  *The overlap rule, the same for every group*: a transfer hides only under compute that does not need it. The
+  ring's next K/V block does not feed the current step's attention, so it overlaps; TP's all-gather feeds the
+  very next product, and DP's gradient reduction overlaps the backward of the layers still to come, less one
+  layer (below). That is why TP is priced exposed and CP's transfer is not: not a different assumption, a
+  different dependence.
 * **DP**: the gradients' reduction over the ``dp·cp`` GPUs that hold the same weights, on NVLink if they sit in
-  one node, else on the network. Each collective overlaps the compute next to it, and only its excess shows:
+  one node, else on the network, in fp32 (:data:`.memory.FP32_GRADS`: 4 bytes a parameter; the weights' gathers
+  move bf16). Each collective overlaps the compute next to it, and only its excess shows:
   no ZeRO all-reduces once, under the last micro-batch's backward; ZeRO-1 reduce-scatters there and all-gathers
   the updated weights under the next step's first forward; ZeRO-2 must reduce-scatter after *every* micro-batch's
   backward (it keeps no whole gradient to accumulate into); ZeRO-3 also all-gathers the weights before every
@@ -56,7 +68,8 @@ term of the returned dict:
   no backward left beside them, and the first layer's gathered weights are needed before any forward: one
   layer's reduction (and gather) is always exposed (``over``'s ``tail``).
 * **optimizer**: the optimizer's step after the last reduction, memory-bound: :data:`ADAM_BYTES` = 28 bytes
-  moved for each parameter this GPU updates (its ZeRO shard from stage 1 on), at the HBM bandwidth (3.35 TB/s).
+  moved for each parameter this GPU updates (its ZeRO shard from stage 1 on), 30 when the gradient it reads is
+  fp32, at the HBM bandwidth (3.35 TB/s).
 * **PP p2p**: the activation (and its gradient) crossing each of the ``pp − 1`` stage boundaries once on the
   critical path of the warm-up and the cool-down, each paying the link's latency α; the steady state's sends
   overlap compute (asynchronous).
@@ -72,7 +85,7 @@ from functools import lru_cache
 
 from ..comm.costmodel import predict as ring
 from ..context_parallel.traffic import forward_bytes
-from .memory import STAT, D, layer_params_on_gpu, params_on_gpu
+from .memory import FP32_GRADS, STAT, D, layer_params_on_gpu, params_on_gpu
 from .shapes import Cluster, Model
 from .space import Layout, inside_node
 
@@ -80,8 +93,8 @@ EFFICIENCY = 0.75   # assumed share of the dense bf16 peak that large matrix pro
 TERMS = ("compute", "imbalance", "recompute", "elementwise", "tp", "cp", "dp", "optimizer", "pp_p2p", "bubble")
 CP_STEP_LAUNCH = 10e-6   # seconds a ring step's kernels and send/receive take to launch and sync, forward or backward:
                          # an assumption (a few kernels at ~3-5 µs each), stated, not fitted
-ADAM_BYTES = 28     # a parameter's optimizer step: read bf16 gradient (2), read + write fp32 master, m, v (24),
-                    # write the bf16 weight (2): fused Adam, memory-bound
+ADAM_BYTES = 28     # a parameter's optimizer step: read the bf16 gradient (2), read + write fp32 master, m, v
+                    # (24), write the bf16 weight (2): fused Adam, memory-bound; 2 more to read an fp32 gradient
 
 
 def gemms(model: Model, layout: Layout, head: bool = True) -> list[tuple[int, int, int]]:
@@ -191,18 +204,22 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
 
     n = layout.dp * cp
     link = cluster.link(inside_node(layout, "dp", cluster.gpus_per_node))
-    grads = params_on_gpu(model, layout, 0) * D
-    rs, ag = _collective("reduce-scatter", grads, n, link), _collective("all-gather", grads, n, link)
-    bucket = min(layer_params_on_gpu(model, tp) * D, grads)                # one layer: the last to be reduced
-    rs_tail = _collective("reduce-scatter", bucket, n, link)
-    ag_tail = _collective("all-gather", bucket, n, link)
+    held0 = params_on_gpu(model, layout, 0)
+    g_bytes = 4 if FP32_GRADS else D                                       # gradients reduced in fp32 (memory)
+    rs = _collective("reduce-scatter", held0 * g_bytes, n, link)
+    ag = _collective("all-gather", held0 * D, n, link)                     # bf16 weights (ZeRO 1-3)
+    ag_g = _collective("all-gather", held0 * g_bytes, n, link)             # an all-reduce's second half (ZeRO 0)
+    bucket = min(layer_params_on_gpu(model, tp), held0)                    # one layer: the last to be reduced
+    rs_tail = _collective("reduce-scatter", bucket * g_bytes, n, link)
+    ag_tail = _collective("all-gather", bucket * D, n, link)
+    ag_g_tail = _collective("all-gather", bucket * g_bytes, n, link)
 
     def over(busy, hidden, tail):
         """What the overlap leaves: the excess over the compute beside it, and at least the ``tail`` (the last
         bucket's reduction, the first layer's gather) that has no compute left beside it."""
         return max(busy - hidden, min(busy, tail), 0.0)
     if layout.zero == 0:
-        dp_s, dp_total = over(rs + ag, bwd_mb, rs_tail + ag_tail), rs + ag  # a ring all-reduce = RS + AG
+        dp_s, dp_total = over(rs + ag_g, bwd_mb, rs_tail + ag_g_tail), rs + ag_g  # a ring all-reduce = RS + AG
     elif layout.zero == 1:
         dp_s, dp_total = over(rs, bwd_mb, rs_tail) + over(ag, fwd_mb, ag_tail), rs + ag
     elif layout.zero == 2:
@@ -213,7 +230,7 @@ def step_time(model: Model, cluster: Cluster, layout: Layout, efficiency: float 
             + over(ag + rs, bwd_mb, rs_tail)
         dp_total = m * (2 * ag + rs)
     held = max(params_on_gpu(model, layout, 0), params_on_gpu(model, layout, pp - 1))
-    optimizer = held / (n if layout.zero >= 1 else 1) * ADAM_BYTES / cluster.hbm_bandwidth
+    optimizer = held / (n if layout.zero >= 1 else 1) * (ADAM_BYTES + (2 if FP32_GRADS else 0)) / cluster.hbm_bandwidth
 
     pp_s = 0.0
     if pp > 1:
