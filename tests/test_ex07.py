@@ -86,12 +86,22 @@ def test_the_simulator_refuses_what_is_not_an_op():
 
 
 # ------------------------------------------------------------------------------------------ one stage's loop
-def stage_loop(blocking_send=False, early_forward=False, early_backward=False, loss_scale="1/m"):
-    """One stage's loop as a learner might write it: blocking receives, isends; the keywords put one mistake in."""
+def stage_loop(blocking_send=False, early_forward=False, early_backward=False, loss_scale="1/m", order="ops",
+               wait_sends=True, skip_last_grad=False):
+    """One stage's loop as a learner might write it: blocking receives, isends; the keywords put one mistake in.
+    ``order``: "ops", "gpipe" (ignores ops), "f_then_b" (ops' forwards, then its backwards), "reversed"."""
     def my_stage_loop(stage, ops, rank, world_size, xs, ys, comm):
         import torch.nn.functional as F
+
+        from course_lib.pipeline_parallel import schedule
         first, last, m = rank == 0, rank == world_size - 1, len(xs)
         inputs, outputs, sends = {}, {}, []
+        if order == "gpipe":
+            ops = schedule("gpipe", world_size, m)[rank]
+        elif order == "f_then_b":
+            ops = [o for o in ops if o[0] == "F"] + [o for o in ops if o[0] == "B"]
+        elif order == "reversed":
+            ops = [(op, m - 1 - i) for op, i in ops]
 
         def send(t, dst):
             if blocking_send:
@@ -119,10 +129,11 @@ def stage_loop(blocking_send=False, early_forward=False, early_backward=False, l
                     (loss / m if loss_scale == "1/m" else loss).backward()
                 else:
                     outputs[i].backward(receive(xs[i], rank + 1, early_backward))
-                if not first:
+                if not first and not (skip_last_grad and last and i == m - 1):
                     send(inputs[i].grad, rank - 1)
-        for h in sends:
-            h.wait()
+        if wait_sends:
+            for h in sends:
+                h.wait()
     return my_stage_loop
 
 
@@ -163,8 +174,49 @@ def test_the_loss_scaled_by_1_instead_of_1_over_m_is_named():
 
 def test_the_library_stage_step_is_the_reference_and_pipeline_worker_runs_it():
     """The notebook's listing (stage_step) is what pipeline_worker runs: equal gradients, with or without the clock."""
-    expected = ex07._full_grads()
+    expected = ex07.full_grads()
     res = run(P.pipeline_worker, ex07.STAGES, "1f1b", ex07.MICRO_BATCHES, ex07.BATCH, ex07.WIDTH, ex07.LAYERS,
               backend="gloo", show_output=False)
     for r, es in zip(res, expected):
         assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(r["grads"], es))
+
+
+@pytest.mark.parametrize("keyword, phrase", [
+    (dict(order="gpipe"), "That is GPipe's order, whatever `ops` says"),
+    (dict(order="f_then_b"), "It ran every forward first and the backwards at the end"),
+    (dict(order="reversed"), "It ran the micro-batches in reverse order"),
+    (dict(wait_sends=False), "never waited for its isend(dst="),
+])
+def test_a_loop_with_the_right_gradients_but_not_the_schedule_is_named(keyword, phrase):
+    """Each of these gives the unsplit model's gradients: only the recorded order or the handles show the mistake."""
+    fb = ex07.check_stage_loop(stage_loop(**keyword))
+    assert fb.status == WRONG and phrase in fb.message, fb.message
+
+
+class SharedBuffer:
+    """A comm that receives every irecv into one tensor: what a loop reusing one buffer for all its receives does."""
+
+    def __init__(self, comm):
+        self.comm, self.buf = comm, None
+
+    def irecv(self, tensor, src):
+        self.buf = tensor if self.buf is None else self.buf
+        return self.comm.irecv(self.buf, src)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+def test_two_pending_receives_into_one_buffer_are_named():
+    def my_stage_loop(stage, ops, rank, world_size, xs, ys, comm):
+        ex07.reference_stage_loop(stage, ops, rank, world_size, xs, ys, SharedBuffer(comm))
+    fb = ex07.check_stage_loop(my_stage_loop)
+    assert fb.status == WRONG and "a pending irecv(src=" in fb.message and "its own buffer" in fb.message, fb.message
+
+
+def test_a_gradient_the_last_stage_never_sends_is_named_not_a_closed_connection():
+    fb = ex07.check_stage_loop(stage_loop(skip_last_grad=True))
+    assert fb.status == WRONG, fb
+    assert "rank 1 waited" in fb.message and "irecv(src=2)" in fb.message, fb.message
+    assert "rank 2 finished its ops without sending that message" in fb.message, fb.message
+    assert "Connection closed" not in fb.message

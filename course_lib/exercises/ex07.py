@@ -16,22 +16,33 @@ backwards. The check runs it on 3 Gloo ranks, GPipe then 1F1B, and compares the 
 model's. ``comm`` is a :class:`Link`: ``torch.distributed`` point-to-point with two things added so that a
 mistake is named, not a hang or a silent wrong number:
 
-* every wait gives up after a few seconds and says which call it was stuck in (a deadlock becomes an error
-  in seconds, and the check names who waited for whom);
+* every wait gives up after :data:`WAIT` seconds and says which call it was stuck in (a deadlock becomes an
+  error, and the check names who waited for whom, or who finished without sending);
 * ``irecv`` fills its tensor with NaN until ``wait()`` returns, so a tensor used before it arrived gives NaN
-  gradients every time (on a real machine it holds whatever was there: a silent, racy wrong gradient).
+  gradients every time (on a real machine it holds whatever was there: a silent, racy wrong gradient), and it
+  refuses a buffer another pending ``irecv`` fills; an ``isend`` never waited for is named.
+
+The stage is wrapped so that the forwards and backwards it runs are recorded and compared with ``ops``. The
+machinery is in :mod:`._ex07_loop`.
 """
 from __future__ import annotations
 
-import datetime
-import math
-
-import torch
-import torch.distributed as dist
-
-from ..pipeline_parallel import bubble_formula, make_batch, make_full_model, make_stage, schedule, simulate_plan
-from ..pipeline_parallel.stages import stage_step
+from ..pipeline_parallel import bubble_formula, make_batch, make_stage, schedule, simulate_plan
 from . import NOT_ATTEMPTED, Feedback, passed, run_attempt, wrong
+from ._ex07_loop import (  # noqa: F401 (re-exported: the notebook and the tests use them as ex07.*)
+    BATCH,
+    LAYERS,
+    MICRO_BATCHES,
+    STAGES,
+    WAIT,
+    WIDTH,
+    Link,
+    Stuck,
+    diagnose_stage_loop,
+    full_grads,
+    reference_stage_loop,
+    stage_loop_worker,
+)
 
 CASES = ((2, 4), (4, 8), (3, 5), (4, 2), (2, 1), (1, 3))   # (stages, micro-batches)
 
@@ -144,168 +155,7 @@ def check_1f1b(fn) -> Feedback:
 
 
 # ---------------------------------------------------------------------------------------------- one stage's loop
-STAGES, MICRO_BATCHES, BATCH, WIDTH, LAYERS = 3, 4, 8, 16, 2
-WAIT = 3.0   # seconds a Link waits for a message before it says which call was stuck
-
-
-class Stuck(RuntimeError):
-    """A :class:`Link` call waited longer than its timeout: ``call`` is e.g. ``"send(dst=1)"``."""
-
-    def __init__(self, rank: int, call: str, peer: int, why: str):
-        super().__init__(f"rank {rank} waited {WAIT:g} s in {call} and nothing happened ({why})")
-        self.call, self.peer = call, peer
-
-
-class _Handle:
-    def __init__(self, link, call, peer, work, inbox=None, tensor=None):
-        self.link, self.call, self.peer, self.work, self.inbox, self.tensor = link, call, peer, work, inbox, tensor
-        self.done = False
-
-    def wait(self, timeout=None) -> bool:
-        if not self.done:
-            try:
-                self.work.wait(timeout=datetime.timedelta(seconds=WAIT))
-            except RuntimeError as e:
-                raise Stuck(self.link.rank, self.call, self.peer, str(e).splitlines()[0][-80:]) from None
-            if self.inbox is not None:
-                with torch.no_grad():             # only now does the received tensor hold the message
-                    self.tensor.copy_(self.inbox)
-            self.done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-
-class Link:
-    """``torch.distributed``'s point-to-point calls for the learner's stage loop, with a timeout on every wait and
-    a received tensor filled only when its ``wait()`` returns (see the module's docstring)."""
-
-    def __init__(self, rank: int):
-        self.rank, self.handles = rank, []
-
-    def isend(self, tensor, dst: int):
-        h = _Handle(self, f"a wait() on isend(dst={dst})", dst, dist.isend(tensor.detach().contiguous(), dst=dst))
-        self.handles.append(h)
-        return h
-
-    def irecv(self, tensor, src: int):
-        inbox = torch.empty_like(tensor)
-        tensor.fill_(float("nan"))         # until wait(): what a tensor read before it arrived holds here
-        h = _Handle(self, f"a wait() on irecv(src={src})", src, dist.irecv(inbox, src=src), inbox, tensor)
-        self.handles.append(h)
-        return h
-
-    def send(self, tensor, dst: int) -> None:
-        h = self.isend(tensor, dst)
-        h.call = f"send(dst={dst})"
-        h.wait()
-
-    def recv(self, tensor, src: int) -> int:
-        h = self.irecv(tensor, src)
-        h.call = f"recv(src={src})"
-        h.wait()
-        return src
-
-    def drain(self) -> None:
-        """Wait for every message still on its way (a loop may leave its isends to finish)."""
-        for h in self.handles:
-            h.wait()
-
-
-def reference_stage_loop(stage, ops, rank, world_size, xs, ys, comm):
-    """The reference solution: the course library's :func:`~course_lib.pipeline_parallel.stage_step`."""
-    stage_step(stage, ops, rank, world_size, xs, ys, comm=comm)
-
-
-def _stage_loop_worker(rank: int, world_size: int, fn) -> dict:
-    stage = make_stage(rank, WIDTH, LAYERS)
-    x, y = make_batch(BATCH, WIDTH)
-    xs, ys = x.tensor_split(MICRO_BATCHES), y.tensor_split(MICRO_BATCHES)
-    out = {}
-    for kind in ("gpipe", "1f1b"):   # GPipe first: a loop that deadlocks in 1F1B has run GPipe by then
-        stage.zero_grad(set_to_none=True)
-        link = Link(rank)
-        try:
-            fn(stage, schedule(kind, world_size, MICRO_BATCHES)[rank], rank, world_size, xs, ys, link)
-            link.drain()
-        except Stuck as e:
-            out[kind] = {"stuck": (e.call, e.peer)}
-            return out                 # the process group has a message in flight: no second run
-        dist.barrier()
-        out[kind] = {"grads": [None if p.grad is None else p.grad.clone() for p in stage.parameters()]}
-    return out
-
-
-def _full_grads() -> list[list[torch.Tensor]]:
-    """Per stage, the gradients of the unsplit model for the whole batch's mean loss."""
-    full = make_full_model(STAGES, WIDTH, LAYERS)
-    x, y = make_batch(BATCH, WIDTH)
-    torch.nn.functional.mse_loss(full(x), y).backward()
-    params = list(full.parameters())
-    per = len(params) // STAGES
-    return [[p.grad for p in params[s * per:(s + 1) * per]] for s in range(STAGES)]
-
-
-def _diagnose_stuck(states: dict[int, tuple[str, int]], kind: str) -> str:
-    where = "; ".join(f"rank {r} in {call}" for r, (call, _) in sorted(states.items()))
-    for r, (call, peer) in sorted(states.items()):
-        other = states.get(peer)
-        if call.startswith("send") and other and other[0].startswith("send") and other[1] == r:
-            return (f"{kind} deadlocks: rank {r} is stuck in send(dst={peer}) and rank {peer} in send(dst={r}), "
-                    f"each waiting {WAIT:g} s for the other to receive (stuck: {where}). A blocking send returns "
-                    "only once its receiver takes the message, and these two neighbours both sent first. Send with "
-                    "isend (and wait for it at the end), or post the receive first with irecv.")
-    return (f"{kind} deadlocks: {where}, {WAIT:g} s each. Every receive needs a matching send on the other rank, "
-            "and in the same order: stage s gets F i's input from stage s-1 and B i's gradient from stage s+1.")
-
-
-def diagnose_stage_loop(results: list[dict], expected: list[list[torch.Tensor]]) -> str | None:
-    """What is wrong with a stage loop's results (one dict per rank from the check's worker); ``None`` if nothing."""
-    last = len(results) - 1
-    for kind in ("gpipe", "1f1b"):
-        stuck = {r: res[kind]["stuck"] for r, res in enumerate(results) if "stuck" in res.get(kind, {})}
-        if stuck:
-            also = " (It ran GPipe: there all forwards flow one way, then all backwards the other; in 1F1B they " \
-                   "cross.)" if kind == "1f1b" else ""
-            return _diagnose_stuck(stuck, kind) + also
-        grads = [res[kind]["grads"] for res in results]
-        none = [r for r, g in enumerate(grads) if any(t is None for t in g)]
-        if none:
-            return (f"{kind}: stage {none[0]} has no gradients: each ('B', i) runs a backward, the last stage's "
-                    "from the loss, the others' from the gradient that stage s+1 sends")
-        nan = [r for r, g in enumerate(grads) if any(not torch.isfinite(t).all() for t in g)]
-        if nan:
-            if nan[-1] == last:
-                return (f"{kind}: the loss is NaN: a stage ran a forward on its input before it arrived. irecv only "
-                        "starts a receive: wait() on its handle before you use the tensor (this check fills it "
-                        "with NaN until then; on a real machine it would hold garbage)")
-            r = nan[-1]
-            return (f"{kind}: stage {r}'s gradients are NaN, stage {r + 1}'s are right: stage {r} ran a backward "
-                    f"before the gradient of its forward's output arrived from stage {r + 1}. wait() on the "
-                    "irecv's handle before you use the tensor (this check fills it with NaN until then; on a real "
-                    "machine it would hold garbage)")
-        ratios = [float((g * e).sum() / (e * e).sum()) for gs, es in zip(grads, expected) for g, e in zip(gs, es)]
-        wrong_stages = [r for r, (gs, es) in enumerate(zip(grads, expected))
-                        if not all(torch.allclose(g, e, atol=1e-6, rtol=1e-4) for g, e in zip(gs, es))]
-        if not wrong_stages:
-            continue
-        c = ratios[0]
-        if all(math.isclose(v, c, rel_tol=1e-3) for v in ratios) and all(
-                torch.allclose(g, e * c, atol=1e-6, rtol=1e-4) for gs, es in zip(grads, expected)
-                for g, e in zip(gs, es)):
-            if math.isclose(c, MICRO_BATCHES, rel_tol=1e-3):
-                return (f"{kind}: your gradients are {MICRO_BATCHES} = m times the whole model's: the loss of each "
-                        "micro-batch was scaled by 1. F.mse_loss is the mean over the micro-batch; the batch's mean "
-                        "is the mean of the m micro-batch means, so scale each one by 1/m")
-            return f"{kind}: your gradients are {c:.3g} times the whole model's: scale each micro-batch's loss by 1/m"
-        r = wrong_stages[-1]
-        return (f"{kind}: stage {r}'s gradients differ from the unsplit model's"
-                + (f" (stages after it are right: look at what stage {r} computes or receives)" if r < last else "")
-                + ". Each stage runs the forward of its input and, for ('B', i), the backward of that same output")
-    return None
-
-
+# The check's machinery (Link, the recorder, the diagnosis) lives in _ex07_loop, to keep this file short.
 class _Probe:
     """A ``comm`` for a dry run in this process: the first call to it ends the run."""
 
@@ -333,19 +183,21 @@ def _not_attempted(fn) -> bool:
 
 def check_stage_loop(fn) -> Feedback:
     """Run ``fn(stage, ops, rank, world_size, xs, ys, comm)`` as each stage of a 3-stage pipeline, GPipe then 1F1B
-    (4 micro-batches), and compare the gradients with the unsplit model's; name a deadlock, a tensor used before
-    it arrived, or a loss scaled wrong."""
+    (4 micro-batches), and compare the gradients with the unsplit model's and the ops each stage ran with its
+    ``ops``; name a deadlock, a send never made, a tensor used before it arrived, two receives into one buffer,
+    an isend never waited for, an order other than ``ops``'s, or a loss scaled wrong."""
     if not callable(fn):
         return wrong(f"pass your function itself (without calling it), got {fn!r}")
     if _not_attempted(fn):
         return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then run this cell again")
-    results, problem = run_attempt(_stage_loop_worker, STAGES, fn, timeout=60,
+    results, problem = run_attempt(stage_loop_worker, STAGES, fn, timeout=120,
                                    timeout_hint="Did you call torch.distributed yourself? Use `comm`: its waits "
                                                 "give up after a few seconds and say where they were stuck.")
     if problem is not None:
         return problem
-    message = diagnose_stage_loop(results, _full_grads())
+    message = diagnose_stage_loop(results, full_grads())
     if message:
         return wrong(f"{STAGES} stages, {MICRO_BATCHES} micro-batches: {message}")
-    return passed(f"on {STAGES} processes, GPipe and 1F1B with {MICRO_BATCHES} micro-batches: your loop gives the "
-                  "unsplit model's gradients, and no send waits for a receive that never comes")
+    return passed(f"on {STAGES} processes, GPipe and 1F1B with {MICRO_BATCHES} micro-batches: your loop runs its ops "
+                  "in their order, gives the unsplit model's gradients, and no send waits for a receive that never "
+                  "comes")
