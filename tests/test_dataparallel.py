@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from course_lib import checkpoint, viz
 from course_lib.data import make_dataset
@@ -63,6 +64,39 @@ def test_mini_ddp_broadcasts_buckets_in_order_and_averages():
     assert tiny[0]["buckets"] == [1] * 8 and whole[0]["buckets"] == [8]        # one per tensor vs one in all
     assert tiny[0]["order"] == list(range(8))                                   # launched in order
     assert tiny[0]["unused_grad"] is None                                       # as in DDP
+
+
+def rank_zero_only_worker(rank, world_size, wrapper):
+    """A layer used only on rank 0 (and one used nowhere): the gradients each rank holds after one step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class RankZeroExtra(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.extra, self.nowhere = (torch.nn.Linear(16, 4) for _ in range(3))
+
+        def forward(self, x):
+            out = self.body(x)
+            return out + self.extra(x) if dist.get_rank() == 0 else out
+    model = RankZeroExtra()
+    wrapped = MiniDDP(model) if wrapper == "mini" else DDP(model, find_unused_parameters=True)
+    x, y = make_dataset(16, seed=rank).tensors
+    torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+    if wrapper == "mini":
+        wrapped.finish_gradient_synchronization()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_mini_ddp_gives_a_parameter_used_on_one_rank_its_average_on_every_rank_like_torch_ddp():
+    mini = run(rank_zero_only_worker, 2, "mini", backend="gloo", show_output=False)
+    ddp = run(rank_zero_only_worker, 2, "torch", backend="gloo", show_output=False)
+    for r in range(2):
+        assert mini[r]["extra.weight"] is not None and ddp[r]["extra.weight"] is not None
+        assert mini[r]["nowhere.weight"] is None and ddp[r]["nowhere.weight"] is None   # unused on every rank
+        for name in ("body.weight", "body.bias", "extra.weight", "extra.bias"):
+            torch.testing.assert_close(mini[r][name], ddp[r][name])
+    torch.testing.assert_close(mini[1]["extra.weight"], mini[0]["extra.weight"])       # rank 1 got rank 0's / 2
 
 
 def test_mini_ddp_rejects_a_bad_bucket_size():

@@ -15,8 +15,11 @@ first byte moves, and sends one message per parameter.
 4. buckets are launched strictly in order (0, 1, 2, ...), so every rank issues the same collectives in
    the same order even if its gradients become ready in a different order;
 5. :meth:`MiniDDP.finish_gradient_synchronization` (call it before ``optimizer.step()``) launches the
-   buckets whose parameters received no gradient (unused parameters count as zeros; their ``.grad``
-   stays ``None``, as in DDP), waits for every all-reduce, and writes the averages back.
+   buckets whose parameters received no gradient (an unused parameter counts as zeros), waits for every
+   all-reduce, and writes the averages back.  One more all-reduce, of a mask of the parameters each rank
+   used, says which were used anywhere: a parameter used on some rank gets the averaged gradient on every
+   rank, even where it was unused; only a parameter unused on every rank keeps ``.grad`` ``None``, as in
+   torch's DDP with ``find_unused_parameters=True``.
 
 Buffers (BatchNorm's running statistics) are not averaged: like DDP, rank 0's are broadcast at every
 forward pass.  The class is the algorithm alone; :class:`course_lib.data_parallel.measure.TimedMiniDDP`
@@ -89,9 +92,16 @@ class MiniDDP(nn.Module):
         return work
 
     def finish_gradient_synchronization(self) -> None:
-        """Launch what is left (buckets with unused parameters), wait, and write the averages back."""
+        """Launch what is left (buckets with unused parameters), wait, and write the averages back.
+
+        A parameter used on any rank gets the average on every rank (``.grad`` is set where this rank left it
+        ``None``); one unused on every rank keeps ``.grad`` ``None``."""
         while self._next < len(self.buckets):
             self._launch(self._next)
+        params = [p for bucket in self.buckets for p in bucket]
+        used = torch.tensor([float(p.grad is not None) for p in params])
+        dist.all_reduce(used)                                # how many ranks used each parameter
+        used_anywhere = dict(zip(params, (used > 0).tolist()))
         world_size = dist.get_world_size()
         for i, flat, work in self._in_flight:
             work.wait()
@@ -100,4 +110,6 @@ class MiniDDP(nn.Module):
             for p, piece in zip(self.buckets[i], pieces):
                 if p.grad is not None:
                     p.grad.copy_(piece.view_as(p))
+                elif used_anywhere[p]:                       # unused here, used on another rank
+                    p.grad = piece.view_as(p).clone()
         self._in_flight = []
