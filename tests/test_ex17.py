@@ -84,5 +84,38 @@ def test_a_slow_layout_is_told_where_its_time_goes():
     rows = rank(MODEL, CLUSTER, 512, micro_batches=(1, 2, 4))
     slow = next(r for r in rows if r["time"]["step"] > 1.5 * rows[0]["time"]["step"])
     feedback = ex17.check_layout_choice(slow["layout"])
-    assert not feedback and "it fits, but it is" in feedback.message and "s in " in feedback.message
+    assert not feedback and "fits, but its step is" in feedback.message and "s in " in feedback.message
+    assert feedback.message.count("Why it wins") == 1 and "It wins on" not in feedback.message
     assert rows[0]["name"] not in feedback.message          # the check does not give the answer away
+
+
+def test_ranks_must_be_integers():
+    import numpy as np
+    as_str = ex17.check_groups(lambda r, pp, dp, tp: {d: [str(x) for x in g]
+                                                      for d, g in ex17.reference(r, pp, dp, tp).items()})
+    as_float = ex17.check_groups(lambda r, pp, dp, tp: {d: [float(x) for x in g]
+                                                        for d, g in ex17.reference(r, pp, dp, tp).items()})
+    for feedback in (as_str, as_float):
+        assert feedback.status == "wrong" and "integer ranks" in feedback.message
+    as_bool = ex17.check_groups(lambda r, pp, dp, tp: {"pp": [True], "dp": [False], "tp": [True]})
+    assert as_bool.status == "wrong" and "integer ranks" in as_bool.message
+    as_numpy = ex17.check_groups(lambda r, pp, dp, tp: {d: list(np.array(g))
+                                                        for d, g in ex17.reference(r, pp, dp, tp).items()})
+    assert as_numpy, as_numpy.message                       # NumPy integers are integers
+
+
+def test_practitioner_layouts_pass_and_a_slow_one_is_shown_its_degrees_best():
+    for lay in (Layout(4, 8, 2, 1, 1, "none", 1, 128), Layout(4, 4, 4, 1, 1, "none", 1, 128)):
+        feedback = ex17.check_layout_choice(lay)                 # TP 8 × PP 2 × DP 4 and TP 4 × PP 4 × DP 4
+        assert feedback, feedback.message
+    slow = ex17.check_layout_choice(Layout(4, 8, 2, 1, 1, "full", 1, 128))   # its degrees, recomputing
+    assert not slow and "With your degrees, the fastest variant is TP 8 × PP 2 × DP 4" in slow.message
+
+
+def test_an_unknown_recompute_or_zero_says_so():
+    bad = ex17.check_layout_choice(Layout(4, 8, 2, 1, 1, "selective", 1, 128))
+    assert not bad and "recompute must be one of ('none', 'full'), got 'selective'" in bad.message
+    z = ex17.check_layout_choice(Layout(4, 8, 2, 1, 4, "none", 1, 128))
+    assert not z and "zero must be one of (0, 1, 2, 3), got 4" in z.message
+    single = ex17.check_layout_choice(Layout(1, 8, 8, 1, 1, "none", 1, 512))
+    assert not single and "ZeRO needs dp·cp > 1" in single.message

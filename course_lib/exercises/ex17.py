@@ -17,6 +17,7 @@ that does not fit is told its largest part; a slow one is told, term by term, wh
 from __future__ import annotations
 
 import itertools
+import numbers
 
 from ..composed import mesh as mesh_module
 from . import NOT_ATTEMPTED, Feedback, passed, wrong
@@ -102,12 +103,19 @@ for order in itertools.permutations(DIMS):       # every other numbering has a n
             _numbered(order), f"your groups number the ranks in the order {order} ({fastest} fastest). {_FASTEST}")
 
 
+def _is_rank(r) -> bool:
+    """A rank is an integer (``int``, a NumPy integer), never a bool, a float or a string."""
+    return isinstance(r, numbers.Integral) and not isinstance(r, bool)
+
+
 def _canonical(answer) -> dict | None:
     if not isinstance(answer, dict) or set(answer) != set(DIMS):
         return None
     try:
+        if not all(_is_rank(r) for d in DIMS for r in answer[d]):
+            return None
         return {d: sorted(int(r) for r in answer[d]) for d in DIMS}
-    except (TypeError, ValueError):
+    except TypeError:
         return None
 
 
@@ -148,7 +156,8 @@ def check_groups(fn) -> Feedback:
     bad = next((key for key, a in shown.items() if a is None), None)
     if bad is not None:
         return wrong(f"for rank {bad[1]} of (pp, dp, tp) = {bad[0]} it returned {got[bad]!r}: return a dict "
-                     "{'pp': [...], 'dp': [...], 'tp': [...]}, each a list of ranks")
+                     "{'pp': [...], 'dp': [...], 'tp': [...]}, each a list of integer ranks (not strings, floats "
+                     "or bools)")
     right = {key: reference(key[1], *key[0]) for key in got}
     if shown == right:
         return passed(f"every rank of {len(MESHES)} meshes ({', '.join('×'.join(map(str, s)) for s in MESHES)}) "
@@ -162,11 +171,17 @@ def check_groups(fn) -> Feedback:
                  f"{right[(shape, r)][dim]}: the ranks whose other two coordinates equal rank {r}'s")
 
 
-def check_layout_choice(layout, model=None, cluster=None, global_batch: int = 512, slack: float = 0.10) -> Feedback:
+def check_layout_choice(layout, model=None, cluster=None, global_batch: int = 512, slack: float = 0.15) -> Feedback:
     """Price ``layout`` (a :class:`~course_lib.layout.Layout`) for ``model`` on ``cluster`` (default: Llama-3-70B's
     shape on 8 nodes of 8 H100, 512 sequences a step); pass it when it is in the planner's space, fits, and its
-    predicted step is within ``slack`` of the fastest layout that fits."""
-    from ..layout import PRESETS, Layout, enumerate_layouts, explain, h100_cluster, predict, rank
+    predicted step is within ``slack`` of the fastest layout that fits.
+
+    ``slack`` is 15%: the practitioners' layouts without CP (TP 8 × PP 2 × DP 4 or TP 4 × PP 4 × DP 4, ZeRO-1)
+    come within 12% of the planner's winner, and the planner's own accuracy is not better than that (notebook
+    17's comparison with a published table). A slow layout is told the fastest variant of its own degrees too
+    (its ZeRO stage, recomputation and micro-batch may be what costs it)."""
+    from ..layout import PRESETS, Layout, enumerate_layouts, explain, find, h100_cluster, predict, rank
+    from ..layout.space import RECOMPUTE, ZERO
     model = PRESETS["llama-3-70b"] if model is None else model
     cluster = h100_cluster(8) if cluster is None else cluster
     if layout is NotImplemented or layout is None:
@@ -180,25 +195,34 @@ def check_layout_choice(layout, model=None, cluster=None, global_batch: int = 51
     if share != global_batch:
         return wrong(f"dp·micro_batch·m = {share} sequences a step, but the global batch is {global_batch}: choose m = "
                      f"{global_batch} / (dp·micro_batch)")
+    if layout.recompute not in RECOMPUTE:
+        return wrong(f"recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
     if layout not in enumerate_layouts(model, cluster, global_batch, micro_batches=(layout.micro_batch,)):
         why = (f"tp = {layout.tp} must divide the {cluster.gpus_per_node} GPUs of a node and the {model.heads} heads"
                if cluster.gpus_per_node % layout.tp or model.heads % layout.tp else
                f"pp = {layout.pp} must divide the {model.layers} layers" if model.layers % layout.pp else
                f"cp = {layout.cp} must divide the sequence of {model.seq}" if model.seq % layout.cp else
-               "ZeRO needs dp·cp > 1 (there is nothing to shard over otherwise)")
+               f"zero must be one of {ZERO}, got {layout.zero!r}" if layout.zero not in ZERO else
+               "ZeRO needs dp·cp > 1 (there is nothing to shard over otherwise)" if layout.dp * layout.cp == 1 else
+               "see the rules in course_lib.layout.space's docstring")
         return wrong(f"{layout.name()} is outside the planner's space: {why}")
     mine = predict(layout, model, cluster)
     if not mine["fits"]:
         parts = {k: v for k, v in mine["memory"].items() if isinstance(v, (int, float)) and k != "total"}
         biggest = max(parts, key=parts.get)
-        limit = mine.get("limit_gib", 0.9 * cluster.gib_per_gpu)
-        return wrong(f"{layout.name()} needs {mine['gib']:.1f} GiB a GPU, more than the {limit:.1f} GiB usable; "
-                     f"its largest part is {biggest} ({parts[biggest] / 2**30:.1f} GiB). Shard it further (more tp or "
-                     "pp, a higher ZeRO stage) or, for activations, recompute or use smaller micro-batches")
-    best = rank(model, cluster, global_batch, micro_batches=(1, 2, 4))[0]
+        return wrong(f"{layout.name()} needs {mine['gib']:.1f} GiB a GPU, more than the {mine['limit_gib']:.1f} GiB "
+                     f"usable; its largest part is {biggest} ({parts[biggest] / 2**30:.1f} GiB). Shard it further "
+                     "(more tp or pp, a higher ZeRO stage) or, for activations, recompute or use smaller "
+                     "micro-batches")
+    rows = rank(model, cluster, global_batch, micro_batches=(1, 2, 4))
+    best = rows[0]
     ratio = mine["time"]["step"] / best["time"]["step"]
     if ratio > 1 + slack:
-        return wrong(f"it fits, but it is {ratio:.2f}× the fastest layout's step. " + explain(best, mine)
-                     .replace(best["name"], "The fastest layout", 1))
+        family = find(rows, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
+        own = ("" if family["layout"] == layout else
+               f" With your degrees, the fastest variant is {family['name']} at {family['time']['step']:.2f} s "
+               f"({family['time']['step'] / best['time']['step']:.2f}× the fastest).")
+        why = explain(best, mine).replace(best["name"], "The fastest layout", 1)
+        return wrong(f"{layout.name()} fits, but its step is {ratio:.2f}× the fastest layout's.{own} {why}")
     return passed(f"{layout.name()}: {mine['gib']:.1f} GiB a GPU, {mine['time']['step']:.2f} s a step, MFU "
                   f"{mine['time']['mfu']:.0%}, within {ratio - 1:.0%} of the fastest the planner finds")
