@@ -139,3 +139,23 @@ def test_notebook_07_exercise_2_a_deeper_stage_1_passed_as_stage_fn_unbalances_t
     assert len(res[1]["grads"]) == 2 * len(res[0]["grads"])             # stage 1 has twice the layers
     assert P.rank_imbalance(res) > 0.5                                   # about 1.0: twice the compute
     assert P.replayed(res)["bubble"] > P.bubble_formula(2, 8) + 0.1     # the slow stage sets the pace
+
+
+def test_ranks_overlap_is_high_side_by_side_and_zero_one_after_the_other():
+    times = P.simulate("1f1b", 2, 8)["times"]
+    assert abs(P.ranks_overlap(times) - 21 / 24) < 1e-9        # each rank busy 24 of 27 units: 21 together
+    end = max(e for *_, e in times[0])
+    serial = [times[0], [(*op[:-2], a + end, e + end) for *op, a, e in times[1]]]
+    assert P.ranks_overlap(serial) == 0.0
+
+
+def test_a_real_1f1b_run_overlaps_its_ranks_on_a_busy_machine():
+    """Notebook 07's overlap assert holds while another program keeps a core busy (`yes > /dev/null`)."""
+    import subprocess
+    hog = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL)
+    try:
+        run_ = P.bubble_sweep([8], repeats=1)[0]
+    finally:
+        hog.kill()
+        hog.wait()
+    assert P.ranks_overlap(run_["timeline"]) > 0.25

@@ -149,3 +149,17 @@ def test_play_actions_follows_the_dependencies_and_names_a_deadlock():
 def test_v_pipeline_step_refuses_bad_arguments_before_any_communication(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Z.v_pipeline_step(0, 2, **kwargs)
+
+
+def test_actions_reads_ops_by_name_whatever_the_enum_values_are():
+    """torch 2.13's _ComputationType values are the letters; older versions numbered them: read the names."""
+    import enum
+    from types import SimpleNamespace
+
+    Kind = enum.Enum("Kind", ["FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FULL_BACKWARD"])   # values 1..4
+
+    def act(kind, i, s):
+        return SimpleNamespace(computation_type=Kind[kind], microbatch_index=i, stage_index=s, sub_actions=None)
+    order = {0: [act("FORWARD", 0, 0), None, act("BACKWARD_INPUT", 0, 0), act("BACKWARD_WEIGHT", 0, 0)],
+             1: [act("FULL_BACKWARD", 1, 1)]}
+    assert Z.actions(order) == [[("F", 0, 0), ("I", 0, 0), ("W", 0, 0)], [("B", 1, 1)]]
