@@ -43,3 +43,12 @@ def test_the_stub_and_the_wrong_answers(no_leftovers):
                        (forgot_to_divide, "the mean loss 2"), (no_collective, "the mean loss 2")):
         fb = ex08.check_mean_loss(fn)
         assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def test_a_0_d_tensor_answer_passes(no_leftovers):
+    def as_a_tensor(loss):
+        dist.monitored_barrier(timeout=timedelta(seconds=5))
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()          # a 0-d tensor, not .item()
+    assert ex08.check_mean_loss(as_a_tensor).status == PASSED
