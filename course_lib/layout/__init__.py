@@ -21,9 +21,9 @@ fastest without running out of memory? The modules answer it one idea at a time:
 The planner's parameters come from data sheets (:func:`.shapes.h100_cluster`) and one stated assumption (the
 share of the peak a large matrix product sustains, :data:`.timing.EFFICIENCY`); nothing is fitted to a table.
 """
-from .ranking import explain, find, predict, rank, table, what_breaks_first
+from .ranking import explain, find, other_degrees, predict, rank, table, what_breaks_first
 from .shapes import PRESETS, Cluster, Model, h100_cluster
 from .space import Layout, enumerate_layouts
 
 __all__ = ["Cluster", "Layout", "Model", "PRESETS", "enumerate_layouts", "explain", "find", "h100_cluster",
-           "predict", "rank", "table", "what_breaks_first"]
+           "other_degrees", "predict", "rank", "table", "what_breaks_first"]

@@ -200,8 +200,9 @@ def compare(rows: list[dict] = ROWS, micro_batches: tuple[int, ...] = (1, 2, 4, 
     planner's best layout by :func:`.ranking.rank` on ``h100_cluster(nodes)`` for :data:`GLOBAL_BATCH`
     sequences, its predicted MFU % and GiB), ``"published_predicted"`` (the planner's MFU % and GiB for the
     published layout, ``None`` where that layout is outside the planner's space: TP across nodes, or stages
-    of unequal layers), ``"planner_same_space"`` (the planner's best among the layouts the table itself uses:
-    ZeRO 0 or 1, no CP; the table shows no other), and ``"differs"``, a short string saying where the two
+    of unequal layers; its ``"memory_ratio"`` is the planner's bytes over the published memory, read as GB),
+    ``"planner_same_space"`` (the planner's best among the layouts the table itself uses: ZeRO 0 or 1, no CP;
+    the table shows no other), and ``"differs"``, a short string saying where the two
     layouts differ and by how much the MFU; ``"planner_mfu"`` and ``"published_mfu"`` (%), and ``"reason"``, one
     line on the gap: how much of it is the time model's optimism (the published layout priced by the planner
     against its measured MFU) and how much the planner's different choice."""
@@ -217,7 +218,8 @@ def compare(rows: list[dict] = ROWS, micro_batches: tuple[int, ...] = (1, 2, 4, 
         if not outside:
             p = predict(pub, model, cluster)
             entry["published_predicted"] = {"mfu": 100 * p["time"]["mfu"], "gib": p["gib"], "fits": p["fits"],
-                                            "time": p["time"]}
+                                            "time": p["time"],
+                                            "memory_ratio": p["gib"] * 2**30 / (row["memory_gb"] * 1e9)}
         if not ranked:
             entry["differs"] = entry["reason"] = "the planner finds no layout that fits"
             entry["planner_mfu"], entry["published_mfu"] = None, row["mfu"]

@@ -54,15 +54,32 @@ def find(rows: list[dict], **degrees) -> dict:
     raise LookupError(f"no layout with {degrees} among {len(rows)} rows")
 
 
-def table(rows: list[dict], top: int = 10) -> list[str]:
-    """The first ``top`` rows as text: name, GiB, each term in seconds, step, MFU."""
-    head = f"{'layout':58} {'GiB':>5} " + " ".join(f"{t:>8}" for t in TERMS) + f" {'step s':>7} {'MFU':>5}"
+COLUMNS = {"compute": ("compute",), "other": ("imbalance", "recompute", "elementwise", "optimizer"),
+           "comm": ("tp", "cp", "dp", "pp_p2p"), "bubble": ("bubble",)}
+"""The compact table's columns: the matrix products; the rest of the GPU's own work (the slowest stage's extra,
+recomputation, element-wise work, the optimizer); exposed communication (TP, CP, DP, pipeline sends); the bubble."""
+
+
+def table(rows: list[dict], top: int = 10, every_term: bool = False) -> list[str]:
+    """The first ``top`` rows as text, at most 110 characters a line: name, GiB, the seconds of each of
+    :data:`COLUMNS` (``every_term``: of each of :data:`.timing.TERMS`, a wider table), step, MFU."""
+    cols = {t: (t,) for t in TERMS} if every_term else COLUMNS
+    width = max([len("layout")] + [len(r["name"]) for r in rows[:top]])
+    head = f"{'layout':{width}} {'GiB':>5} " + " ".join(f"{c:>8}" for c in cols) + f" {'step s':>7} {'MFU':>5}"
     lines = [head]
     for r in rows[:top]:
         t = r["time"]
-        lines.append(f"{r['name']:58} {r['gib']:5.1f} " + " ".join(f"{t[k]:8.3f}" for k in TERMS)
+        lines.append(f"{r['name']:{width}} {r['gib']:5.1f} "
+                     + " ".join(f"{sum(t[k] for k in terms):8.3f}" for terms in cols.values())
                      + f" {t['step']:7.3f} {t['mfu']:5.1%}")
     return lines
+
+
+def other_degrees(rows: list[dict]) -> dict | None:
+    """The fastest row of ``rows`` (ranked) whose degrees (dp, tp, pp, cp) differ from the first's: the runner-up
+    worth explaining (the next rows are often the winner under another ZeRO stage, in a tie)."""
+    key = (lambda r: (r["layout"].dp, r["layout"].tp, r["layout"].pp, r["layout"].cp))
+    return next((r for r in rows[1:] if key(r) != key(rows[0])), None)
 
 
 def explain(winner: dict, runner_up: dict, model: Model | None = None, cluster: Cluster | None = None) -> str:

@@ -169,7 +169,8 @@ def layout_state(preset: str, nodes: int, global_batch: int, largest_micro_batch
     (:data:`course_lib.layout.PRESETS`) on ``nodes`` nodes of 8 H100s, ``global_batch`` sequences a step and
     micro-batches of 1, 2, 4... up to ``largest_micro_batch``: ``"rows"`` (the ``top`` fastest that fit),
     ``"fitting"`` (how many fit), ``"layouts"`` (how many were priced), ``"best"`` (the winner's name, ``None``
-    when nothing fits) and ``"why"`` (:func:`course_lib.layout.explain` of the winner against the runner-up)."""
+    when nothing fits) and ``"why"`` (:func:`course_lib.layout.explain` of the winner against the fastest layout of
+    other degrees, :func:`course_lib.layout.other_degrees`)."""
     from .. import layout
     if preset not in layout.PRESETS:
         raise ValueError(f"unknown model {preset!r}: pick one of {list(layout.PRESETS)}")
@@ -180,7 +181,8 @@ def layout_state(preset: str, nodes: int, global_batch: int, largest_micro_batch
     model, cluster = layout.PRESETS[preset], layout.h100_cluster(nodes)
     every = layout.rank(model, cluster, global_batch, micro_batches=sizes, keep_all=True)
     fitting = [r for r in every if r["fits"]]
-    why = layout.explain(fitting[0], fitting[1]) if len(fitting) > 1 else ""
+    other = layout.other_degrees(fitting) if fitting else None
+    why = layout.explain(fitting[0], other) if other is not None else ""
     return {"model": model, "cluster": cluster, "rows": fitting[:top], "fitting": len(fitting),
             "layouts": len(every), "best": fitting[0]["name"] if fitting else None, "why": why,
             "leanest_gib": min((r["gib"] for r in every), default=None)}
@@ -209,7 +211,7 @@ class LayoutPlanner(Explorer):
         self._update()
 
     def _update(self, *_):
-        from ..layout.timing import TERMS
+        from ..layout.ranking import COLUMNS
         try:
             self.state = layout_state(self.preset.value, self.nodes.value, self.batch.value, self.micro.value)
         except ValueError as e:                   # e.g. a batch that no layout divides
@@ -225,9 +227,9 @@ class LayoutPlanner(Explorer):
             lean = "" if s["leanest_gib"] is None else f" (the leanest needs {s['leanest_gib']:.0f} GiB a GPU)"
             self.out.value = (f"{inputs}. <b>nothing fits</b>{lean}: more nodes, or a batch with more divisors")
             return
-        head = "<tr><th>layout</th><th>GiB</th>" + "".join(f"<th>{t} s</th>" for t in TERMS) + \
+        head = "<tr><th>layout</th><th>GiB</th>" + "".join(f"<th>{c} s</th>" for c in COLUMNS) + \
                "<th>step s</th><th>MFU</th></tr>"
         body = "".join(f"<tr><td>{r['name']}</td><td>{r['gib']:.1f}</td>"
-                       + "".join(f"<td>{r['time'][t]:.3f}</td>" for t in TERMS)
+                       + "".join(f"<td>{sum(r['time'][t] for t in terms):.3f}</td>" for terms in COLUMNS.values())
                        + f"<td>{r['time']['step']:.3f}</td><td>{r['time']['mfu']:.0%}</td></tr>" for r in s["rows"])
         self.out.value = f"{inputs}. Fastest: <b>{s['best']}</b>. {s['why']}<table>{head}{body}</table>"
