@@ -36,19 +36,26 @@ model (recomputation assumed off, since the table does not say), so the reader c
 planner choosing differently or the planner's time model being optimistic or pessimistic about the same layout.
 
 **What it shows** (run :func:`lines`; each entry's ``"reason"`` says it per cell). The planner is optimistic
-everywhere: 42–69% predicted against 5–47% published, after the costs the planner now counts that overlap cannot
+everywhere: 38–69% predicted against 5–47% published, after the costs the planner counts that overlap cannot
 hide (the last bucket's reduction, the optimizer's memory-bound step, element-wise work at HBM speed, the
-slowest pipeline stage, products too small for the peak). Two causes, split per cell by pricing the *published*
-layout with the same model: (1) the time model. On one node, where little is communicated, the table reaches
-44–47%, so nanotron's sustained share of the dense peak is nearer 0.5 than the planner's assumed 0.75
-(:data:`.timing.EFFICIENCY`, left as it is: no fitting); and the gap widens with nodes (1.34 B on 64 nodes:
-5.25% published), where the planner hides most data-parallel traffic under compute and the real runs do not.
-(2) the choice. The planner picks ZeRO-2/3 or CP in many cells, which the table never uses because nanotron
-could not run them then (its README lists ZeRO-1 only, ZeRO-3 and ring attention on its roadmap): the fair
-comparison is the planner restricted to ZeRO 0/1 without CP (``planner_same_space``).
+slowest pipeline stage, CP's ring steps, products too small for the peak). Each cell's gap is split by pricing
+the *published* layout with the same model: (1) the time model (the published layout priced against its
+measured MFU), the larger cause, 13.8 points on average. On one node, where little is communicated, the table
+reaches 44–47%: MFU is a lower bound on the products' own rate, so nanotron's products sustain at least about
+half the dense peak, against the planner's assumed 0.75 (:data:`.timing.EFFICIENCY`, left as it is: no
+fitting); and the gap widens with nodes (1.34 B on 64 nodes: 5.25% published). (2) the choice, 12.1 points on
+average: 10.4 of them among the layouts the table itself uses (ZeRO 0/1 without CP, ``planner_same_space``:
+other PP, DP and TP degrees and micro-batches), 1.7 from ZeRO-2/3 or CP, which nanotron could not run then (its
+README lists ZeRO-1 only, ZeRO-3 and ring attention on its roadmap).
 
-**Known differences not modelled** (to weigh before teaching from it): nanotron accumulates gradients in fp32,
-so its data-parallel bytes and gradient memory are twice the planner's bf16; the quoted ``scaling_benchmarks.py``
+**Memory.** For the same layout the planner prices 0.64–1.07 of the published memory (``memory_ratio``; the
+table's figure read as GB): it leaves out what the table's runs also hold (the allocator's cache, NCCL's
+buffers, the CUDA context) and its activation formulas assume fused kernels.
+
+**The MFU formula** is PaLM's (``6·N + 12·L·h·s`` FLOPs a token: :meth:`.shapes.Model.flops_per_token`);
+nanotron's own formula was not checked, so the published MFUs may count slightly different FLOPs.
+
+**Known differences not modelled** (to weigh before teaching from it): the quoted ``scaling_benchmarks.py``
 line is from a version of that file (commit 38fcb8bc) whose stored versions set ``VOCAB_SIZE = 32768`` and
 ``TP_MODE="ALL_REDUCE"`` (no sequence parallelism), which contradicts the 131,072 inferred above: the shapes
 stay an assumption.
@@ -168,31 +175,19 @@ def _outside(lay: Layout, model: Model, gpus_per_node: int) -> str:
 ONE_NODE_BEST = 46.68      # the table's highest MFU (3.57 B on one node): nanotron's sustained share, at most
 
 
-def _reason(entry: dict, best: dict, pub_row: dict, outside: str, pub_pred: dict | None) -> str:
-    """One line: why the planner's MFU and the published one differ, split into the time model's optimism
-    (the same layout priced against its measured MFU) and the planner's different choice."""
+def _reason(entry: dict, best: dict, pub_row: dict, outside: str, pub_pred: dict | None,
+            same: dict | None = None) -> str:
+    """One short line: the gap between the planner's MFU and the published one, split into the time model's
+    optimism (the published layout priced against its measured MFU) and the planner's different choice, itself
+    split into the layouts the table uses (ZeRO 0/1, no CP: ``same``, the best of them) and ZeRO-2/3 or CP."""
     planner, published = entry["planner_mfu"], entry["published_mfu"]
-    gap = planner - published
-    eff = 100 * best["time"]["gemm_efficiency"]
-    base = (f"planner {planner:.1f}% vs published {published:.1f}% ({gap:+.1f} points): ")
+    base = f"{planner - published:+.1f} points: "
     if outside:
-        return base + f"the published layout is outside the planner's space ({outside.split(':')[0]}); the time " \
-                      f"model assumes products at {eff:.0f}% of peak, where no published cell exceeds " \
-                      f"{ONE_NODE_BEST:.0f}% MFU"
+        return base + f"the published layout is outside the planner's space ({outside.split(':')[0]})"
     model_part, choice_part = pub_pred["mfu"] - published, planner - pub_pred["mfu"]
-    lay = best["layout"]
-    if choice_part > model_part:
-        what = " and ".join(x for x in (f"ZeRO-{lay.zero}" if lay.zero >= 2 else "", f"CP {lay.cp}" if lay.cp > 1
-                                        else "") if x)
-        why = f"uses {what}, which nanotron could not run" if what else "is a different layout of the same space"
-        return base + f"mostly the choice: the planner's pick {why} ({choice_part:+.1f} points); the published " \
-                      f"layout priced by the planner is {model_part:+.1f} points above its measured MFU"
-    t = pub_pred["time"]
-    exposed = max(("tp", "cp", "dp", "optimizer", "pp_p2p", "bubble", "imbalance"), key=lambda k: t[k])
-    return base + f"mostly the time model: the published layout priced at {pub_pred['mfu']:.1f}% " \
-                  f"({model_part:+.1f} points): products assumed at {eff:.0f}% of peak (the table's best cell is " \
-                  f"{ONE_NODE_BEST:.0f}% MFU); the planner's largest exposed term for it: {exposed}, " \
-                  f"{t[exposed]:.3f} s of {t['step']:.3f}"
+    same_mfu = planner if same is None else 100 * same["time"]["mfu"]
+    return base + f"time model {model_part:+.1f}, choice {choice_part:+.1f} (ZeRO 0/1 without CP " \
+                  f"{same_mfu - pub_pred['mfu']:+.1f}, ZeRO-2/3 or CP {planner - same_mfu:+.1f})"
 
 
 def compare(rows: list[dict] = ROWS, micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
@@ -229,8 +224,8 @@ def compare(rows: list[dict] = ROWS, micro_batches: tuple[int, ...] = (1, 2, 4, 
         entry["planner"] = {"layout": _layout_words(best["layout"]), "mfu": 100 * best["time"]["mfu"],
                             "gib": best["gib"]}
         entry["planner_mfu"], entry["published_mfu"] = entry["planner"]["mfu"], row["mfu"]
-        entry["reason"] = _reason(entry, best, row, outside, entry["published_predicted"])
         same = next((r for r in ranked if r["layout"].zero <= 1 and r["layout"].cp == 1), None)
+        entry["reason"] = _reason(entry, best, row, outside, entry["published_predicted"], same)
         entry["planner_same_space"] = None if same is None else {
             "layout": _layout_words(same["layout"]), "mfu": 100 * same["time"]["mfu"], "gib": same["gib"]}
         words = [_differences(pub, best["layout"]),
