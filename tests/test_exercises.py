@@ -272,29 +272,51 @@ def test_overlapped_averaging_check():
         for _, work in pending:
             work.wait()
 
+    def waiting_hooks(model):                # async, but waits right after launching, inside the hook
+        done = []
+
+        def hook(q):
+            work = dist.all_reduce(q.grad, async_op=True)
+            work.get_future().wait()
+            done.append((q, work))
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        return done
+
+    def divide_by_two(pending):
+        for p, work in pending:
+            work.wait()
+            p.grad /= 2
+
     cases = [((after_backward_only, average_at_the_end), "no all-reduce started during backward"),
              ((blocking_hooks, divide_only), "block (async_op=False)"),
              ((ex03.launch_when_ready, divide_only), "never waited for"),
-             ((ex03.launch_when_ready, wait_without_dividing), "2 times too large")]
+             ((ex03.launch_when_ready, wait_without_dividing), "2 times too large"),
+             ((waiting_hooks, divide_only), "waiting at once"),
+             ((ex03.launch_when_ready, divide_by_two), "on 3 ranks")]
     for (launch, finish), phrase in cases:
         fb = ex03.check_overlapped_averaging(launch, finish)
         assert fb.status == WRONG and phrase in fb.message, fb
 
 
 def bucketed(wait_at_once=False, keep_bucket=False, no_division=False, blocking=False, per_parameter=False,
-             launch_in_finish_only=False, divide_every_parameter=False):
-    """The reference bucketed averaging with one of the usual mistakes switched on."""
+             launch_in_finish_only=False, divide_every_parameter=False, divide_by_two=False, future_wait_at_once=False,
+             wait_all=False, keep_launched=False, keep_last_bucket=False, tensor_hook=False):
+    """The reference bucketed averaging with one of the usual mistakes switched on (``wait_all``: a right answer
+    that waits with torch.futures.wait_all on the works' futures)."""
     def attempt(model, cap):
-        world_size = dist.get_world_size()
+        world_size = 2 if divide_by_two else dist.get_world_size()
         bucket, launched = [], []
 
-        def launch():
+        def launch(clear=True):
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             work = dist.all_reduce(flat, async_op=not blocking)
             if wait_at_once:
                 work.wait()
+            if future_wait_at_once:
+                work.get_future().wait()
             launched.append((list(bucket), flat, work))
-            if not keep_bucket:
+            if clear and not keep_bucket:
                 bucket.clear()
 
         def hook(p):
@@ -303,13 +325,18 @@ def bucketed(wait_at_once=False, keep_bucket=False, no_division=False, blocking=
             if (full or per_parameter) and not launch_in_finish_only:
                 launch()
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(hook)
+            if tensor_hook:
+                p.register_hook(lambda grad, p=p: hook(p))        # runs before p.grad is set
+            else:
+                p.register_post_accumulate_grad_hook(hook)
 
         def finish():
             if bucket:
-                launch()
+                launch(clear=not keep_last_bucket)
+            if wait_all:
+                torch.futures.wait_all([work.get_future() for _, _, work in launched])
             for params, flat, work in launched:
-                if work is not None and not blocking:
+                if work is not None and not blocking and not wait_all:
                     work.wait()
                 if not no_division:
                     flat /= world_size
@@ -318,10 +345,55 @@ def bucketed(wait_at_once=False, keep_bucket=False, no_division=False, blocking=
             if divide_every_parameter:
                 for p in model.parameters():
                     p.grad /= 1
-            launched.clear()
-            bucket.clear()
+            if not keep_launched:
+                launched.clear()
+            if not keep_last_bucket:
+                bucket.clear()
         return finish
     return attempt
+
+
+def registration_order_buckets(model, cap):
+    """Right sums, wrong buckets: fixed up front from model.parameters() in registration order, each launched once
+    all its gradients arrived; the rest in finish()."""
+    world_size = dist.get_world_size()
+    params, buckets, size = list(model.parameters()), [[]], 0
+    for p in params:
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append([])
+            size = 0
+    buckets = [b for b in buckets if b]
+    state = {"arrived": set(), "done": set()}
+    launched = []
+
+    def launch(i):
+        flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in buckets[i]])
+        launched.append((buckets[i], flat, dist.all_reduce(flat, async_op=True)))
+        state["done"].add(i)
+
+    def hook(p):
+        state["arrived"].add(p)
+        for i, bucket in enumerate(buckets):
+            if i not in state["done"] and all(q in state["arrived"] for q in bucket):
+                launch(i)
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for i in range(len(buckets)):
+            if i not in state["done"]:
+                launch(i)
+        for bucket, flat, work in launched:
+            work.wait()
+            flat /= world_size
+            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if p.grad is not None:
+                    p.grad.copy_(piece.view_as(p))
+        launched.clear()
+        state.update(arrived=set(), done=set())
+    return finish
 
 
 def fixed_buckets_waiting_for_every_parameter(model, cap):
@@ -373,7 +445,17 @@ def test_bucketed_averaging_check_passes_the_reference_and_names_each_mistake():
              (bucketed(no_division=True), "2 times too large"),
              (bucketed(blocking=True), "blocks (async_op=False)"),
              (bucketed(per_parameter=True), "one all-reduce per parameter"),
-             (bucketed(launch_in_finish_only=True), "no all-reduce started during backward")]
+             (bucketed(launch_in_finish_only=True), "no all-reduce started during backward"),
+             (bucketed(divide_by_two=True), "on 3 ranks, after finish() the gradients differ"),
+             (bucketed(future_wait_at_once=True), "waiting at once"),
+             (bucketed(keep_launched=True), "waited again for buckets launched in step 1"),
+             (bucketed(keep_last_bucket=True), "a bucket left over from the previous step"),
+             (bucketed(tensor_hook=True), "register_hook runs before .grad is set"),
+             (registration_order_buckets, "in the order the gradients became ready carry")]
     for attempt, phrase in cases:
         fb = ex03.check_bucketed_averaging(attempt)
         assert fb.status == WRONG and phrase in fb.message, (phrase, fb)
+
+
+def test_bucketed_averaging_check_passes_a_wait_all_answer():
+    assert ex03.check_bucketed_averaging(bucketed(wait_all=True)).status == PASSED

@@ -15,6 +15,7 @@ from ..data import make_dataset
 from ..data_parallel import average_gradients  # noqa: F401 (the reference solution)
 from ..models import make_mlp
 from . import passed, run_attempt, wrong
+from .ex03_buckets import WaitWatch
 
 
 def grad_trial(rank, world_size, fn):
@@ -78,22 +79,9 @@ def wait_and_average(pending: list) -> None:
     pending.clear()
 
 
-class _Watched:
-    """A work handle that remembers whether the learner waited on it."""
-
-    def __init__(self, work):
-        self.work, self.waited = work, False
-
-    def wait(self, *args, **kwargs):
-        self.waited = True
-        return self.work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
 def overlap_trial(rank, world_size, launch, finish):
-    """Worker: one backward pass with the learner's hooks; records the all-reduces launched during backward."""
+    """Worker: one backward pass with the learner's hooks; records the all-reduces launched during backward and
+    every wait (``work.wait()``, the future's ``wait()``/``value()``, ``torch.futures.wait_all``)."""
     import copy
     model = make_mlp(seed=0, depth=3)
     reference = copy.deepcopy(model)
@@ -103,63 +91,46 @@ def overlap_trial(rank, world_size, launch, finish):
     for p in reference.parameters():                      # the truth, computed before any hook exists
         dist.all_reduce(p.grad)
         p.grad /= world_size
-    real, calls, in_backward = dist.all_reduce, [], [True]
-
-    def watching(tensor, *args, async_op=False, **kwargs):
-        work = real(tensor, *args, async_op=async_op, **kwargs)
-        calls.append({"during_backward": in_backward[0], "async": async_op})
-        return _Watched(work) if async_op else work
-    dist.all_reduce = watching
-    try:
+    with WaitWatch() as watch:
         pending = launch(model)
+        watch.backward = True
         F.cross_entropy(model(x), y).backward()
-        in_backward[0] = False
-        launched = [c for c in calls if c["during_backward"]]
-        watched = [w for w in _works(pending)]
+        watch.backward = False
+        launched = [c for c in watch.calls if c["backward"]]
         finish(pending)
-    finally:
-        dist.all_reduce = real
     got = [p.grad.clone() for p in model.parameters()]
     return {"expected": [p.grad for p in reference.parameters()], "got": got, "launched": launched,
-            "params": sum(1 for _ in model.parameters()), "unwaited": sum(not w.waited for w in watched)}
-
-
-def _works(pending) -> list:
-    """The watched work handles inside whatever the learner's ``launch`` returned (a list of pairs, of works...)."""
-    found, todo = [], [pending]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, _Watched):
-            found.append(item)
-        elif isinstance(item, (list, tuple, set)):
-            todo.extend(item)
-        elif isinstance(item, dict):
-            todo.extend(item.values())
-    return found
+            "params": sum(1 for _ in model.parameters()), **watch.summary()}
 
 
 def check_overlapped_averaging(launch, finish):
     """``launch(model)`` registers the hooks (and returns what ``finish`` needs); after backward, ``finish(that)``
-    leaves every rank with the average gradient. The all-reduces must start during backward, asynchronously."""
-    results, feedback = run_attempt(overlap_trial, 2, launch, finish, timeout=20)
-    if feedback is not None:
-        return feedback
-    r = results[0]
-    if not r["launched"]:
-        return wrong("no all-reduce started during backward(): register a hook on each parameter "
-                     "(p.register_post_accumulate_grad_hook) and launch the all-reduce inside it")
-    if not all(c["async"] for c in r["launched"]):
-        return wrong("the all-reduces in your hooks block (async_op=False): backward waits for each one, so nothing "
-                     "overlaps. Launch them with async_op=True and wait for them in `finish`")
-    if any(res["unwaited"] for res in results):
-        return wrong(f"{max(res['unwaited'] for res in results)} of the launched all-reduces were never waited for: "
-                     "call .wait() on every work before reading p.grad (the sum may still be in flight)")
-    if all(_all_equal(res["got"], [g * 2 for g in res["expected"]]) for res in results):
-        return wrong("the gradients are 2 times too large on 2 ranks: divide by the world size after waiting")
-    if not all(_all_equal(res["got"], res["expected"]) for res in results):
-        return wrong("after `finish` the gradients are not the average over ranks")
+    leaves every rank with the average gradient, on 2 and 3 ranks. The all-reduces must start during backward,
+    asynchronously, and be waited for after backward, in ``finish``."""
+    for n in (2, 3):
+        results, feedback = run_attempt(overlap_trial, n, launch, finish, timeout=20)
+        if feedback is not None:
+            return feedback
+        r = results[0]
+        if not r["launched"]:
+            return wrong("no all-reduce started during backward(): register a hook on each parameter "
+                         "(p.register_post_accumulate_grad_hook) and launch the all-reduce inside it")
+        if not all(c["async"] for c in r["launched"]):
+            return wrong("the all-reduces in your hooks block (async_op=False): backward waits for each one, so "
+                         "nothing overlaps. Launch them with async_op=True and wait for them in `finish`")
+        if any(res["waits_in_backward"] for res in results):
+            return wrong("your hook waits for its all-reduce right after launching it (waiting at once): backward "
+                         "stands still until the sum arrives, so nothing overlaps. Keep the work, wait in `finish`")
+        if any(res["unwaited"] for res in results):
+            return wrong(f"{max(res['unwaited'] for res in results)} of the launched all-reduces were never waited "
+                         "for: call .wait() on every work before reading p.grad (the sum may still be in flight)")
+        if all(_all_equal(res["got"], [g * n for g in res["expected"]]) for res in results):
+            return wrong(f"the gradients are {n} times too large on {n} ranks: divide by the world size, "
+                         "dist.get_world_size(), after waiting")
+        if not all(_all_equal(res["got"], res["expected"]) for res in results):
+            return wrong(f"on {n} ranks, after `finish` the gradients are not the average over ranks")
     return passed(f"{len(r['launched'])} all-reduces started during backward, one per parameter as its gradient "
-                  "was ready, and every rank ends with the average")
+                  "was ready, and every rank ends with the average, on 2 and 3 ranks")
 
 
 from .ex03_buckets import bucketed_averaging, check_bucketed_averaging  # noqa: E402, F401 (the third exercise)
