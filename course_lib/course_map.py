@@ -65,7 +65,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("07_pipeline_schedules.ipynb", "Pipeline schedules",
              "GPipe and 1F1B (you write it); one stage's loop, its sends and receives (you write it); the bubble, "
              "measured; torch.distributed.pipelining: interleaved 1F1B, zero bubble (ZBV, DualPipeV)", 0, "full", 50,
-             125, 180),
+             95, 150),
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
