@@ -148,7 +148,7 @@ def test_weights_only_load_refuses_arbitrary_objects(tmp_path):
 def test_throughput_and_wrapper_workers_report_numbers():
     assert run(measure.throughput_worker, 2, 64, 2, 32, 2, backend="gloo", show_output=False)[0] > 0
     times = run(measure.compare_wrappers_worker, 2, 64, 2, 32, 2, 2, backend="gloo", show_output=False)[0]
-    assert set(times) == {"mini_ddp", "torch_ddp"} and all(t > 0 for t in times.values())
+    assert set(times) == {"mini_ddp", "torch_ddp", "ratio"} and all(t > 0 for t in times.values())
 
 
 def test_config_errors_are_clear():

@@ -130,18 +130,24 @@ def comm_share_worker(rank: int, world_size: int, width: int = 512, depth: int =
 
 def compare_wrappers_worker(rank: int, world_size: int, width: int = 256, depth: int = 4, batch: int = 64,
                             rounds: int = 10, steps: int = 5) -> dict:
-    """Median step time of MiniDDP and of torch DDP on the same model, alternating, in one process group."""
+    """Median step time of MiniDDP and of torch DDP on the same model, alternating, in one process group.
+
+    ``ratio`` is the median over rounds of MiniDDP's time over DDP's in the same round. The order swaps every round
+    (A B, B A, ...), so a machine getting busier or calmer during a round favours neither; a burst of load spoils
+    one round's ratio, not the median."""
     steppers = {s: _setup(width, depth, batch, s) for s in ("mini_ddp", "torch_ddp")}
     times: dict[str, list[float]] = {s: [] for s in steppers}
-    for _ in range(rounds):
-        for strategy, (step, x, y, device) in steppers.items():
+    for r in range(rounds):
+        for strategy in (list(steppers) if r % 2 == 0 else list(reversed(steppers))):
+            step, x, y, device = steppers[strategy]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(x, y)
             synchronize(device)
             times[strategy].append((time.perf_counter() - t0) / steps)
-    return {s: statistics.median(t) for s, t in times.items()}
+    ratios = [m / d for m, d in zip(times["mini_ddp"], times["torch_ddp"])]
+    return {**{s: statistics.median(t) for s, t in times.items()}, "ratio": statistics.median(ratios)}
 
 
 def side_by_side_worker(rank: int, world_size: int, width: int = 512, depth: int = 4, batch: int = 1024,
