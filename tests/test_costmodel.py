@@ -111,3 +111,10 @@ def test_ring_against_the_library_in_alternation():
     out = run(costmodel.ring_vs_library, 3, 4096 * 4, 3, backend="gloo", show_output=False)
     assert all(o == out[0] for o in out)                      # every rank returns the same all-reduced medians
     assert set(out[0]) == {"ring", "dist.all_reduce"} and all(t > 0 for t in out[0].values())
+
+
+def test_algorithms_in_alternation():
+    names = ("ring", "recursive doubling")
+    out = run(costmodel.algorithms_side_by_side, 4, names, 4096, 3, backend="gloo", show_output=False)
+    assert all(o == out[0] for o in out)                      # every rank returns the same all-reduced medians
+    assert set(out[0]) == set(names) and all(t > 0 for t in out[0].values())

@@ -199,7 +199,8 @@ def notebook_solution(notebook: str, name: str):
 
 def test_notebook_02_exercise_2_solution_passes_the_check():
     fn = notebook_solution("02_allreduce_from_scratch.ipynb", "all_reduce_from_collectives")
-    assert ex02.check_all_reduce(fn).status == PASSED
+    assert ex02.check_all_reduce(fn, p2p_only=False).status == PASSED
+    assert "point-to-point messages only" in ex02.check_all_reduce(fn).message   # the main exercises' rule
 
 
 def test_nccl_replay_by_hand():
@@ -216,6 +217,73 @@ def test_nccl_replay_by_hand():
     assert ex02.nccl_deadlock([[[(recv, None)]], [[(send, 0)]]]) is None  # a receive from any source
     assert ex02.nccl_deadlock([[[(recv, 1)]], []]) == [(0, [(recv, 1)])]  # a receive nobody serves
 
+
+
+def test_a_collective_inside_fails_unless_allowed():
+    fb = ex02.check_all_reduce(dist.all_reduce)                      # right sums, but not the exercise
+    assert fb.status == WRONG and "point-to-point messages only" in fb.message, fb
+    assert ex02.check_all_reduce(dist.all_reduce, p2p_only=False).status == PASSED
+
+
+def naive_with(send, recv):
+    def fn(t):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            buf = torch.empty_like(t)
+            for src in range(1, n):
+                recv(buf, src)
+                t += buf
+            for dst in range(1, n):
+                send(t, dst)
+        else:
+            send(t, 0)
+            recv(t, 0)
+    return fn
+
+
+def test_sends_that_bypass_the_recorder_fail():
+    from torch.distributed import distributed_c10d, isend   # bound before the check wraps dist's names
+    fb = ex02.check_all_reduce(naive_with(lambda t, d: isend(t, d).wait(), dist.recv))
+    assert fb.status == WRONG and "bypasses" in fb.message, fb
+    fb = ex02.check_all_reduce(naive_with(distributed_c10d.send, dist.recv))
+    assert fb.status == WRONG and "bypasses" in fb.message, fb
+
+
+def test_group_ranks_are_resolved_not_a_false_deadlock():
+    fn = naive_with(lambda t, d: dist.send(t, group_dst=d), lambda t, s: dist.recv(t, group_src=s))
+    assert ex02.check_all_reduce(fn).status == PASSED
+
+
+def ring_body_only(t):
+    """The ring on the first size // N * N elements: an uneven tail left unreduced."""
+    n = dist.get_world_size()
+    flat = t.view(-1)
+    body = flat[: flat.numel() // n * n]
+    if body.numel():
+        ring_with(body, batched_inline)
+
+
+def test_an_unreduced_tail_is_named_not_added_twice():
+    fb = ex02.check_all_reduce(ring_body_only)
+    assert fb.status == WRONG and "never reduced" in fb.message and "added twice" not in fb.message, fb
+
+
+def test_unknown_peers_are_unknown_not_a_deadlock():
+    assert ex02.nccl_deadlock([[[("send", None)]], [[("recv", 0)]]]) is None
+
+
+def test_power_of_two_recursive_doubling_on_chosen_world_sizes():
+    def power_of_two_only(t):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        assert n & (n - 1) == 0, "power-of-two world sizes only"
+        buf, mask = torch.empty_like(t), 1
+        while mask < n:
+            exchange(t, rank ^ mask, buf, rank ^ mask)
+            t += buf
+            mask *= 2
+    fb = ex02.check_all_reduce(power_of_two_only, world_sizes=(2, 4))
+    assert fb.status == PASSED and "2 and 4 ranks" in fb.message, fb
+    assert ex02.check_all_reduce(power_of_two_only).status == WRONG          # 3 ranks: the end exercise
 
 # ---- notebook 03: averaging gradients by hand --------------------------------------------------------------
 from course_lib.data_parallel import average_gradients  # noqa: E402

@@ -183,3 +183,19 @@ def ring_vs_library(rank, world_size, nbytes: int, rounds: int = 5) -> dict:
     for fn in variants.values():
         fn()                                                                       # warm-up
     return side_by_side(variants, rounds, 1, device)
+
+
+def algorithms_side_by_side(rank, world_size, names, nbytes: int, rounds: int = 7) -> dict:
+    """Worker: median seconds of each of the all-reduce ``names`` (keys of ``allreduce.IMPLEMENTATIONS``) on one
+    tensor of ``nbytes``, run in alternation (:func:`course_lib.parallelism.side_by_side`), so that a burst of load
+    from another process hits all of them: their order holds on a busy machine where a sweep's separate timings,
+    taken at different moments, do not."""
+    from ..parallelism import side_by_side
+    from .allreduce import IMPLEMENTATIONS
+
+    device = hardware.rank_device()
+    x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)   # zeros never overflow
+    variants = {name: (lambda fn=IMPLEMENTATIONS[name]: fn(x)) for name in names}
+    for fn in variants.values():
+        fn()                                                                       # warm-up: connections
+    return side_by_side(variants, rounds, 1, device)

@@ -7,11 +7,13 @@ The data are whole numbers, so every correct order of additions gives exactly th
 answer can be recognised by what it equals (the rank's own data, a sum counted twice, ...).
 
 The checks run on Gloo, where ``isend`` returns at once and Gloo's threads move every posted operation at
-the same time. NCCL is stricter: a send or receive issued on its own is a kernel that runs after the ones
-issued before it, and it finishes only when the peer's matching operation runs too. (PyTorch may put
-operations with different peers on different streams; between two ranks, and in NCCL's own rule that a
-rank's concurrent sends and receives go in one group, the order is what counts. The replay is that
-conservative rule.) So the check also records, on every rank, the order in which
+the same time. NCCL is stricter. Its documented contract: a send may block until the matching receive is
+posted, and operations that must progress together go in one group (``ncclGroupStart``/``End``; in PyTorch
+``dist.batch_isend_irecv``). Besides, PyTorch without ``device_id`` in ``init_process_group`` gives each
+pair of ranks that exchange a send/recv its own 2-rank communicator and stream, created at their first
+message; on N >= 3 ranks that all send first, the hang is a cycle of ranks each waiting for a neighbour to
+join a communicator set-up. The replay applies the contract's conservative reading: a rank's units run one at
+a time, in issue order. So the check also records, on every rank, the order in which
 the learner issued point-to-point operations (:func:`recording_p2p`), replays those orders with NCCL's rule
 (:func:`nccl_deadlock`) and calls a pattern that would hang there wrong, even when Gloo gave the right sums.
 A ring whose ranks each post ``isend`` to the right before ``irecv`` from the left is such a pattern; the
@@ -37,20 +39,55 @@ HINTS = {"size": UNEVEN, "index out of range": UNEVEN,
          "shape": "the buffer you receive into must have the sender's shape."}
 
 
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "all_reduce_coalesced")
+# the process group's own methods, below every alias of torch.distributed's functions
+_PG_SENDS, _PG_RECVS = ("send",), ("recv", "recv_anysource")
+_PG_COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+                   "allgather_into_tensor_coalesced", "all_gather_single", "reduce_scatter", "_reduce_scatter_base",
+                   "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+                   "all_to_all_single", "gather", "scatter")
+
+
+def _global(group, group_rank):
+    """The global rank of ``group_rank`` in ``group`` (the default group when ``None``); ``None`` if unknown."""
+    if group_rank is None:
+        return None
+    try:
+        return group_rank if group is None else dist.get_global_rank(group, group_rank)
+    except Exception:  # noqa: BLE001 (a rank the group does not have: unknown, the backend will say why)
+        return None
+
+
 @contextlib.contextmanager
-def recording_p2p(trace: list):
+def recording_p2p(trace: list, seen: dict | None = None):
     """Record the point-to-point operations this process issues, in order, into ``trace``.
 
     Each entry is one unit the backend gets at once: a list of ``(kind, peer)`` with kind ``"send"`` or
-    ``"recv"`` (peer ``None``: a receive from any source). ``send``/``recv``/``isend``/``irecv`` give one-op
-    units; a ``batch_isend_irecv`` gives one unit with all its operations. Only ``torch.distributed``'s
-    names are wrapped, in this process, while the block runs; ``P2POp`` is wrapped so that it accepts the
-    wrapped ``isend``/``irecv``.
+    ``"recv"`` (peer ``None``: a receive from any source, or a peer the recorder could not resolve).
+    ``send``/``recv``/``isend``/``irecv`` give one-op units; a ``batch_isend_irecv`` gives one unit with all its
+    operations. Peers given as ``group_dst``/``group_src``/``group_peer`` are turned into global ranks.
+    ``torch.distributed``'s names are wrapped while the block runs; ``P2POp`` is wrapped so that it accepts the
+    wrapped ``isend``/``irecv``. (``distributed_c10d``'s own globals stay: its ``P2POp`` checks ``op`` against them.)
+
+    Below every alias (``from torch.distributed import isend`` made before the block), the process group's own
+    methods count into ``seen``: ``"sends"`` (point-to-point sends the backend got) and ``"collectives"`` (names of
+    collectives called). A send counted there but missing from ``trace`` went through an unwrapped name.
     """
-    real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp")}
+    from torch.distributed import distributed_c10d as c10d
+    seen = {} if seen is None else seen
+    seen.update(sends=0, collectives=[])
+    names = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp")
+    real = {name: getattr(c10d, name) for name in names}
+    saved = [(dist, name, getattr(dist, name)) for name in names]
 
     def peer(args, kwargs, key):
-        return args[0] if args else kwargs.get(key)
+        if args and args[0] is not None:
+            return args[0]
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+        group = args[1] if len(args) > 1 else kwargs.get("group")
+        return _global(group, args[3] if len(args) > 3 else kwargs.get("group_" + key))
 
     def one(kind, name, key):
         def wrapped(tensor, *args, **kwargs):
@@ -61,22 +98,44 @@ def recording_p2p(trace: list):
 
     wrapped = {"send": one("send", "send", "dst"), "recv": one("recv", "recv", "src"),
                "isend": one("send", "isend", "dst"), "irecv": one("recv", "irecv", "src")}
+    real_ops = {real["isend"], real["send"], wrapped["isend"], wrapped["send"]}
 
     def p2p_op(op, tensor, *args, **kwargs):
         return real["P2POp"](getattr(op, "real", op), tensor, *args, **kwargs)
 
+    def op_peer(op):
+        if getattr(op, "peer", None) is not None:
+            return op.peer
+        return _global(getattr(op, "group", None), getattr(op, "group_peer", None))
+
     def batch_isend_irecv(ops):
-        trace.append([("send" if op.op is real["isend"] else "recv", op.peer) for op in ops])
+        trace.append([("send" if op.op in real_ops else "recv", op_peer(op)) for op in ops])
         return real["batch_isend_irecv"](ops)
 
     wrapped.update(batch_isend_irecv=batch_isend_irecv, P2POp=p2p_op)
-    for name, fn in wrapped.items():
-        setattr(dist, name, fn)
+    pg = c10d.ProcessGroup
+    pg_saved = {name: pg.__dict__[name] for name in _PG_SENDS + _PG_COLLECTIVES if name in pg.__dict__}  # unbound
+
+    def counting(name, method):
+        def wrapped_method(self, *args, **kwargs):
+            if name in _PG_SENDS:
+                seen["sends"] += 1
+            else:
+                seen["collectives"].append(name)
+            return method.__get__(self)(*args, **kwargs)
+        return wrapped_method
+
+    for m, name, _ in saved:
+        setattr(m, name, wrapped[name])
+    for name, method in pg_saved.items():
+        setattr(pg, name, counting(name, method))
     try:
         yield trace
     finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+        for name, method in pg_saved.items():
+            setattr(pg, name, method)
 
 
 def nccl_deadlock(traces: list[list[list[tuple]]]) -> list[tuple] | None:
@@ -87,8 +146,14 @@ def nccl_deadlock(traces: list[list[list[tuple]]]) -> list[tuple] | None:
     from ``a``) is in the peer's running unit. A unit is done when all its operations are. If no
     operation can finish and a rank has units left, NCCL would hang: the answer is, for each stuck rank,
     ``(rank, [(kind, peer), ...])`` of its running unit's unfinished operations.
+
+    A send whose peer is unknown (``None``, or not a rank) makes the replay unknown too: the answer is then
+    ``None``, never a deadlock the recorder cannot prove.
     """
     n = len(traces)
+    if any(kind == "send" and not (isinstance(peer, int) and 0 <= peer < n)
+           for trace in traces for unit in trace for kind, peer in unit):
+        return None
     position = [0] * n                     # the running unit of each rank
     done = [set() for _ in range(n)]       # finished operation indices of the running unit
 
@@ -107,7 +172,7 @@ def nccl_deadlock(traces: list[list[list[tuple]]]) -> list[tuple] | None:
         progress = False
         for a in range(n):
             for i, (kind, b) in enumerate(running(a)):
-                if kind != "send" or i in done[a] or b is None or not 0 <= b < n:
+                if kind != "send" or i in done[a]:
                     continue
                 for j, (kind_b, src) in enumerate(running(b)):
                     if kind_b == "recv" and j not in done[b] and src in (a, None):
@@ -126,9 +191,9 @@ def _deadlock_message(stuck, n) -> str:
     waits = "; ".join(f"rank {r} " + " and ".join(f"{k} {'to' if k == 'send' else 'from'} {p}" for k, p in ops)
                       for r, ops in stuck[:4])
     return (f"on {n} ranks the sums are right on Gloo, but on NCCL this order of messages would deadlock: "
-            f"each of these ranks waits for a peer that is waiting too ({waits}). On NCCL a send issued on its "
-            "own finishes only when the peer's receive runs, and operations run in the order you issued them. "
-            "Hand a step's send and receive to the backend together: "
+            f"each of these ranks waits for a peer that is waiting too ({waits}). NCCL's documented contract is "
+            "that a send may block until the matching receive is posted, so operations that must progress "
+            "together go in one group. Hand a step's send and receive to the backend together: "
             "dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)]) "
             "(one NCCL group), as allreduce.exchange does.")
 
@@ -142,11 +207,13 @@ def trial(rank, world_size, fn):
         expected = x.clone()
         dist.all_reduce(expected)
         original = x.clone()
-        with recording_p2p([]) as trace:
+        seen = {}
+        with recording_p2p([], seen) as trace:
             result = fn(x)
         got = result if isinstance(result, torch.Tensor) else x
         out.append({"dtype": str(dtype).replace("torch.", ""), "size": size, "original": original,
-                    "got": got.detach().clone(), "expected": expected, "trace": trace})
+                    "got": got.detach().clone(), "expected": expected, "trace": trace,
+                    "backend_sends": seen["sends"], "collectives": seen["collectives"]})
     return out
 
 
@@ -173,9 +240,13 @@ def _diagnose(per_rank, n) -> str | None:
         if missing:
             return (f"{where}: every rank got the sum without rank {missing[0]}'s data: "
                     "did that rank forget its own tensor?")
+        if n > 1 and cases[0]["size"] % n:
+            body = cases[0]["size"] // n * n          # the part a split into n equal chunks covers
+            if all(torch.equal(q["got"][:body], q["expected"][:body]) for q in cases):
+                return f"{where}: the last {cases[0]['size'] - body} element(s) were never reduced. " + UNEVEN
         extra = k["got"] - k["expected"]
         changed = extra != 0
-        if any(torch.equal(extra[changed], q["original"][changed]) for q in cases):
+        if int(changed.sum()) > 1 and any(torch.equal(extra[changed], q["original"][changed]) for q in cases):
             return (f"{where}: rank {bad} has a contribution added twice. In the all-gather the finished chunks must "
                     "overwrite the partial ones, not be added to them; and no chunk may go round more than N-1 times.")
         if n > 1 and cases[0]["size"] >= n:
@@ -189,9 +260,29 @@ def _diagnose(per_rank, n) -> str | None:
     return None
 
 
-def check_all_reduce(fn, name: str = "your all-reduce"):
-    """Run ``fn`` on 2, 3 and 4 ranks over every case; explain the first wrong answer."""
-    for n in WORLD_SIZES:
+def _p2p_message(cases, n) -> str | None:
+    """Why the recorded messages of one case cannot be judged: a collective used, or sends the recorder missed."""
+    used = sorted({c for k in cases for c in k["collectives"]})
+    if used:
+        return (f"on {n} ranks your function called a collective ({', '.join(used)}): this exercise is built from "
+                "point-to-point messages only (dist.send/recv, dist.isend/irecv, dist.batch_isend_irecv).")
+    recorded = sum(kind == "send" for k in cases for unit in k["trace"] for kind, _ in unit)
+    if sum(k["backend_sends"] for k in cases) > recorded:
+        return (f"on {n} ranks some sends reached the backend without going through dist.send, dist.isend or "
+                "dist.batch_isend_irecv, so the check cannot see their order (a name imported with `from "
+                "torch.distributed import ...` or taken from distributed_c10d bypasses it): call them as dist.<name>.")
+    return None
+
+
+def check_all_reduce(fn, name: str = "your all-reduce", world_sizes=WORLD_SIZES, p2p_only: bool = True):
+    """Run ``fn`` on 2, 3 and 4 ranks (``world_sizes``) over every case; explain the first wrong answer.
+
+    With ``p2p_only`` (the default) ``fn`` must be made of point-to-point messages, all issued through
+    ``dist.``'s names: a collective inside fails, and so do sends the recorder did not see (their order cannot
+    be replayed). ``p2p_only=False`` is for an all-reduce built from other collectives; the NCCL replay is
+    then skipped.
+    """
+    for n in world_sizes:
         results, feedback = run_attempt(
             trial, n, fn, timeout=15,
             timeout_hint="A rank is waiting for a message nobody sends: check that every send has a matching recv "
@@ -202,10 +293,16 @@ def check_all_reduce(fn, name: str = "your all-reduce"):
         message = _diagnose(results, n)
         if message:
             return wrong(message)
-        for c in range(len(CASES)):
+        for c in range(len(CASES) if p2p_only else 0):
+            message = _p2p_message([results[r][c] for r in range(n)], n)
+            if message:
+                return wrong(message)
             stuck = nccl_deadlock([results[r][c]["trace"] for r in range(n)])
             if stuck:
                 return wrong(_deadlock_message(stuck, n))
-    return passed(f"{name} equals dist.all_reduce on 2, 3 and 4 ranks for float32, float64 and int64, "
-                  "including sizes not divisible by the world size and smaller than it; its order of sends "
-                  "and receives cannot deadlock on NCCL")
+    ranks = ", ".join(map(str, world_sizes[:-1])) + f" and {world_sizes[-1]}" if len(world_sizes) > 1 \
+        else str(world_sizes[0])
+    return passed(f"{name} equals dist.all_reduce on {ranks} ranks for float32, float64 and int64, "
+                  "including sizes not divisible by the world size and smaller than it"
+                  + ("; it uses point-to-point messages only, in an order that cannot deadlock on NCCL"
+                     if p2p_only else ""))
