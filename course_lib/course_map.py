@@ -95,7 +95,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("17_putting_it_together.ipynb", "Putting it together",
              "a 2×2×2 mesh, FSDP2 × TP+SP × 1F1B, equal to one process (you write its groups); each group's "
              "messages; layouts ranked by time and memory (you choose one); MFU; a published table; what breaks first",
-             1, "partial", 75, 90, 115),
+             1, "partial", 60, 85, 105),
 ]
 
 
