@@ -44,12 +44,12 @@ class Notebook:
 
 NOTEBOOKS: list[Notebook] = [
     Notebook("00_welcome.ipynb", "Welcome and your machine",
-             "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 30, 45),
+             "the course map; how to use the course; what your machine has; the preflight", 0, "full", 10, 25, 40),
     Notebook("01_ranks_and_collectives.ipynb", "Ranks and collectives on the CPU (Gloo)",
-             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 85, 125),
+             "processes, ranks, the rendezvous; send/recv; every collective as a picture", 0, "full", 25, 80, 120),
     Notebook("02_allreduce_from_scratch.ipynb", "All-reduce from scratch",
              "naive, ring and recursive-doubling all-reduce; bus bandwidth; an α-β cost model", 0, "full", 25,
-             125, 230),
+             95, 200),
     Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
              "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
              "full", 20, 80, 120),

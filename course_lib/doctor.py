@@ -244,7 +244,9 @@ def notebook_table(gpu_count: int | None = None, failed: bool = False) -> list[t
             rows.append((nb.file, "no (fix the FAIL lines above first)"))
         else:
             s = course_map.support(nb, n)
-            why = "" if s == "full" else f" (all cells need {nb.gpus_for_all} GPUs; the rest runs on CPU)"
+            gpus = f"{nb.gpus_for_all} GPU" + ("" if nb.gpus_for_all == 1 else "s")
+            why = {"full": "", "partial": f": cells that need {gpus} fall back to the CPU"}.get(
+                s, f" (its cells need {gpus})")
             rows.append((nb.file, s + why))
     return rows
 

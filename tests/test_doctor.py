@@ -56,6 +56,8 @@ def test_notebook_table_by_gpu_count():
             assert cpu[nb.file] == two[nb.file] == "full"
         else:
             assert cpu[nb.file].startswith(nb.cpu) and two[nb.file] == "full"
+            if nb.cpu == "partial":
+                assert cpu[nb.file].endswith("fall back to the CPU") and " 1 GPUs" not in cpu[nb.file]
     assert all(s.startswith("no") for _, s in doctor.notebook_table(0, failed=True))
 
 
