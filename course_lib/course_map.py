@@ -52,13 +52,13 @@ NOTEBOOKS: list[Notebook] = [
              95, 200),
     Notebook("03_data_parallel_from_scratch.ipynb", "Data parallelism from scratch",
              "gradient averaging by hand; DistributedSampler; overlap; buckets; a small DDP equal to torch's", 0,
-             "full", 20, 80, 120),
+             "full", 20, 90, 130),
     Notebook("04_ddp_in_practice.ipynb", "DDP in practice",
              "buffers and unused parameters; BatchNorm over all ranks; no_sync; Join; logging; checkpoints; "
-             "scaling and the learning rate", 0, "full", 30, 85, 160),
+             "scaling and the learning rate", 0, "full", 30, 90, 165),
     Notebook("05_ddp_nccl_torchrun.ipynb", "DDP on GPUs with NCCL and torchrun",
              "a typical DDP script from the web, fixed; torchrun; resume; multi-node and SLURM; NCCL variables; "
-             "bf16; bus bandwidth", 2, "partial", 55, 110, 135),
+             "bf16; bus bandwidth", 2, "partial", 55, 115, 150),
     Notebook("06_model_parallel.ipynb", "Manual model parallelism",
              "training memory arithmetic; layers split across cuda:0/cuda:1 (you write it); the idle problem", 2,
              "partial", 10, 70, 90),
