@@ -20,7 +20,7 @@ from .style import rank_color
 
 GROUP_STYLE = {"tp": ("#d62728", "-"), "dp": ("#1f77b4", "-"), "pp": ("#2ca02c", "--")}
 WHAT = {"tp": "tp group: SP all-gathers / reduce-scatters, every block",
-        "dp": "dp group: FSDP2 all-gather / reduce-scatter, once a step",
+        "dp": "dp group: FSDP2 all-gather / reduce-scatter, once a step (reshard_after_forward=False)",
         "pp": "pp group: send / recv of activations and gradients"}
 
 
