@@ -33,6 +33,7 @@ def test_each_bug_of_the_web_script_is_named(tmp_path):
         "never destroyed": (("finally:\n    dist.destroy_process_group()", "finally:\n    pass"), "still initialised"),
         "lr not scaled": (("lr = ex05.BASE_LR * dist.get_world_size()", "lr = ex05.BASE_LR"),
                           "scale the learning rate"),
+        "lr hard-coded for 2 ranks": (("lr = ex05.BASE_LR * dist.get_world_size()", "lr = 0.02"), "on 3 ranks"),
         "something else changed": (("for epoch in range(3):", "for epoch in range(2):"), "weights differ"),
     }
     for name, (replacement, phrase) in cases.items():

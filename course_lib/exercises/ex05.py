@@ -1,7 +1,8 @@
 """Notebook 05's capstone: a typical DDP script from the web, fixed by the learner, run as two "nodes" of one GPU each.
 
 The script (see notebook 05) has bugs that only show on more than one node: it uses the *global* rank as
-the device index, picks the device after ``init_process_group``, never destroys the process group, and keeps the
+the device index, picks the device after ``init_process_group`` (not a failure there, but a trap: see the check's
+message), never destroys the process group, and keeps the
 learning rate of one process while the global batch grows with the ranks. The check runs the learner's file the way a
 two-node job runs it: two ``torchrun`` agents over loopback (:func:`course_lib.launch.commands.torchrun_nodes`), one
 worker each, so global rank 1 is local rank 0 of node 1. Each "node" has one GPU, simulated on the CPU by
@@ -113,11 +114,27 @@ def _run_two_nodes(path) -> tuple[list[dict] | None, str]:
     return [line for node in nodes for line in json_lines(node.output)], "".join(n.output for n in nodes)
 
 
+def _run_three_ranks(path) -> float | None:
+    """Run ``path`` as 1 node x 3 workers (3 GPUs); the learning rate it reported, ``None`` when it did not run."""
+    from ..launch.commands import CommandError, json_lines, torchrun
+    try:
+        done = torchrun("course_lib.exercises.ex05", str(path), nproc_per_node=3, module=True, timeout=180,
+                        echo=False, env={GPUS_PER_NODE_ENV: "3"})
+    except CommandError:
+        return None
+    return next((line["lr"] for line in json_lines(done.output) if line.get("event") == "report"), None)
+
+
 _reference_weights: dict[str, str] = {}
 
 
 def check_web_script(path) -> Feedback:
-    """Run the learner's fixed web script as two nodes of one GPU each, and name what is still wrong."""
+    """Run the learner's fixed web script as two nodes of one GPU each, and name what is still wrong.
+
+    It verifies four things: each rank's device is its local rank's; the device is picked before
+    ``init_process_group``; the process group is destroyed at the end; the learning rate is ``BASE_LR`` times the
+    world size (also on a one-node job of 3 ranks, so a hard-coded number is caught). Then the final weights must
+    equal the reference solution's."""
     path = Path(path)
     if not path.is_file():
         return wrong(f"{path} does not exist: run the cell that writes the program first")
@@ -137,8 +154,10 @@ def check_web_script(path) -> Feedback:
         return wrong("each of the 2 ranks must reach `ex05.report(model, optimizer)` at the end of training "
                      f"(got {len(reports)} report(s))")
     if any(r["set_device_before_init"] is not True for r in reports):
-        return wrong("pick the device (ex05.set_device) BEFORE init_process_group: with NCCL, anything that touches "
-                     "the GPU in between lands on cuda:0 in every rank")
+        return wrong("your program may well run, but pick the device (ex05.set_device) BEFORE init_process_group, "
+                     "as the recipe does. With NCCL, anything that touches the GPU before set_device opens a CUDA "
+                     "context on GPU 0 in every rank; on torch 2.3+ you can also pass "
+                     "device_id=torch.device('cuda', local_rank) to init_process_group")
     if any(e["group_left_initialised"] for e in exits):
         return wrong("the process group is still initialised when the program ends: call "
                      "dist.destroy_process_group() at the end")
@@ -147,6 +166,11 @@ def check_web_script(path) -> Feedback:
         return wrong(f"the global batch is {world} x {PER_RANK_BATCH} = {world * PER_RANK_BATCH}, {world} times the "
                      f"batch lr={BASE_LR} was tuned for, and the program still uses lr={reports[0]['lr']:g}: scale the "
                      f"learning rate with the world size (notebook 04's linear rule: {BASE_LR * world:g})")
+    three = _run_three_ranks(path)                # on 2 ranks, a hard-coded lr=0.02 would pass
+    if three is not None and abs(three - BASE_LR * 3) > 1e-12:
+        return wrong(f"on 2 ranks the learning rate was right, but on 3 ranks (one node) it is {three:g}, not "
+                     f"{BASE_LR * 3:g}: compute it from the world size, BASE_LR * dist.get_world_size(), instead of "
+                     "writing the number")
     if path.resolve() == REFERENCE.resolve():
         _reference_weights["reference"] = reports[0]["weights"]
     if "reference" not in _reference_weights:
@@ -158,7 +182,7 @@ def check_web_script(path) -> Feedback:
         return wrong("the job ran, but its final weights differ from the fixed web script's: did something else "
                      "change (the model, the data, the sampler, the number of epochs)?")
     return passed("two nodes of one GPU each: local-rank devices chosen before init, the learning rate scaled for the "
-                  "global batch, the process group destroyed, and the same weights as the reference")
+                  "global batch (on 2 and 3 ranks), the process group destroyed, and the same weights as the reference")
 
 
 if __name__ == "__main__":
