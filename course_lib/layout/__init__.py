@@ -15,7 +15,7 @@ fastest without running out of memory? The modules answer it one idea at a time:
 * :mod:`.ranking`: :func:`predict` one layout, :func:`rank` them all by time, :func:`explain` the winner, and
   :func:`what_breaks_first` when one steps away from it (memory, communication or the bubble, and the knob).
 * :mod:`.mfu`: MFU measured on the machine at hand, against its measured matmul peak.
-* :mod:`.reference` and :mod:`.fake`: the model as real modules, and what one of 64 ranks holds, measured in one
+* :mod:`.reference` and :mod:`.fake`: the model as real modules, and what one rank of a stage holds, measured in one
   process with the fake process group and meta tensors.
 
 The planner's parameters come from data sheets (:func:`.shapes.h100_cluster`) and one stated assumption (the
