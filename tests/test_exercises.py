@@ -242,7 +242,7 @@ def naive_with(send, recv):
 
 
 def test_sends_that_bypass_the_recorder_fail():
-    from torch.distributed import distributed_c10d, isend   # bound before the check wraps dist's names
+    from torch.distributed import distributed_c10d, isend  # bound before the check wraps dist's names
     fb = ex02.check_all_reduce(naive_with(lambda t, d: isend(t, d).wait(), dist.recv))
     assert fb.status == WRONG and "bypasses" in fb.message, fb
     fb = ex02.check_all_reduce(naive_with(distributed_c10d.send, dist.recv))
