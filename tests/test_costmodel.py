@@ -107,14 +107,8 @@ def test_notebook_02_exercise_1_crossover_solution():
     assert math.isclose(ring[1], rd[1]) and rd[0] < ring[0] and ring[2] < rd[2]
 
 
-def test_ring_against_the_library_in_alternation():
-    out = run(costmodel.ring_vs_library, 3, 4096 * 4, 3, backend="gloo", show_output=False)
-    assert all(o == out[0] for o in out)                      # every rank returns the same all-reduced medians
-    assert set(out[0]) == {"ring", "dist.all_reduce"} and all(t > 0 for t in out[0].values())
-
-
-def test_algorithms_in_alternation():
-    names = ("ring", "recursive doubling")
-    out = run(costmodel.algorithms_side_by_side, 4, names, 4096, 3, backend="gloo", show_output=False)
+@pytest.mark.parametrize("n, names", [(4, ("ring", "recursive doubling")), (3, ("ring", "dist.all_reduce"))])
+def test_algorithms_in_alternation(n, names):
+    out = run(costmodel.algorithms_side_by_side, n, names, 4096, 3, backend="gloo", show_output=False)
     assert all(o == out[0] for o in out)                      # every rank returns the same all-reduced medians
     assert set(out[0]) == set(names) and all(t > 0 for t in out[0].values())

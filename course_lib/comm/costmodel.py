@@ -167,24 +167,6 @@ def time_all_reduce(rank, world_size, implementations: dict, sizes: list[int], r
     return results if rank == 0 else None
 
 
-def ring_vs_library(rank, world_size, nbytes: int, rounds: int = 5) -> dict:
-    """Worker: median seconds of :func:`~.allreduce.ring_all_reduce` and of ``dist.all_reduce`` on one tensor.
-
-    The two run in alternation (:func:`course_lib.parallelism.side_by_side`), each round after a barrier and
-    timed on the slowest rank, so both see the same machine moments apart: a burst of load from another
-    process hits both, and their ratio holds on a busy machine where a sweep's separate timings do not.
-    """
-    from ..parallelism import side_by_side
-    from .allreduce import ring_all_reduce
-
-    device = hardware.rank_device()
-    x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)   # zeros never overflow
-    variants = {"ring": lambda: ring_all_reduce(x), "dist.all_reduce": lambda: dist.all_reduce(x)}
-    for fn in variants.values():
-        fn()                                                                       # warm-up
-    return side_by_side(variants, rounds, 1, device)
-
-
 def algorithms_side_by_side(rank, world_size, names, nbytes: int, rounds: int = 7) -> dict:
     """Worker: median seconds of each of the all-reduce ``names`` (keys of ``allreduce.IMPLEMENTATIONS``) on one
     tensor of ``nbytes``, run in alternation (:func:`course_lib.parallelism.side_by_side`), so that a burst of load
