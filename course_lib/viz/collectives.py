@@ -80,6 +80,17 @@ def draw_barrier(times: list[tuple[float, float]]):
     return fig
 
 
+def _grid_axes(ax, xlim, xticks, xlabels, row_name: str, rows: int):
+    """A grid's axes: columns labelled below, rows ``row_name 0`` at the top to ``rows - 1``, no frame."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(0, rows)
+    ax.set_xticks(xticks, xlabels, fontsize=8)
+    ax.set_yticks([rows - 1 - r + 0.5 for r in range(rows)], [f"{row_name} {r}" for r in range(rows)])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+
+
 def draw_ring_state(world_size: int, step: int):
     """The ring all-reduce after ``step`` steps: what each rank's chunks contain, and what moves next.
 
@@ -107,13 +118,7 @@ def draw_ring_state(world_size: int, step: int):
     phase = ("start" if step == 0 else "reduce-scatter" if step <= n - 1 else "all-gather")
     ax.set_title(f"ring all-reduce, {n} ranks: after step {step} of {2 * (n - 1)} ({phase}); "
                  "red: sent to the right next", fontsize=9)
-    ax.set_xlim(0, n)
-    ax.set_ylim(0, n)
-    ax.set_xticks([c + 0.46 for c in range(n)], [f"chunk {c}" for c in range(n)], fontsize=8)
-    ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)])
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
+    _grid_axes(ax, (0, n), [c + 0.46 for c in range(n)], [f"chunk {c}" for c in range(n)], "rank", n)
     fig.tight_layout()
     return fig
 
@@ -205,13 +210,7 @@ def draw_hierarchical_all_reduce(nodes: int = 2, gpus_per_node: int = 4):
             for k in range(g):
                 ax.annotate("", xy=(k + 0.12, nodes - 0.05), xytext=(k + 0.12, 0.05),
                             arrowprops=dict(arrowstyle="<->", color=rank_color(k), lw=1.5))
-        ax.set_xlim(-0.1, g + 0.1)
-        ax.set_ylim(0, nodes)
-        ax.set_xticks([k + 0.45 for k in range(g)], [f"GPU {k}" for k in range(g)], fontsize=8)
-        ax.set_yticks([nodes - 1 - j + 0.5 for j in range(nodes)], [f"node {j}" for j in range(nodes)])
-        ax.tick_params(length=0)
-        for side in ax.spines.values():
-            side.set_visible(False)
+        _grid_axes(ax, (-0.1, g + 0.1), [k + 0.45 for k in range(g)], [f"GPU {k}" for k in range(g)], "node", nodes)
         ax.set_title(titles[phase - 1], fontsize=9)
     fig.suptitle(f"hierarchical all-reduce on {nodes} nodes x {g} GPUs. c2: chunk 2; n0: summed over node 0's GPUs; "
                  "all: summed over every GPU", fontsize=10)
