@@ -9,7 +9,7 @@ def stub(flat_param, make_optimizer):
     raise NotImplementedError
 
 
-def variant(divide=True, gather=True, whole=False, optimizer_per_step=False):
+def variant(divide=True, gather=True, whole=False, optimizer_per_step=False, all_reduce=False, no_step=False):
     """ZeRO-1 with one known mistake switched on."""
     def zero1(flat_param, make_optimizer):
         rank, n = dist.get_rank(), dist.get_world_size()
@@ -25,10 +25,16 @@ def variant(divide=True, gather=True, whole=False, optimizer_per_step=False):
                 return
             if optimizer_per_step:
                 optimizer = make_optimizer([shard])
-            grad = torch.empty_like(shard)
-            ex09.reduce_scatter_single(grad, flat_grad)
+            if all_reduce:                               # the whole average on every rank, then a slice of it
+                whole_grad = flat_grad.clone()
+                dist.all_reduce(whole_grad)
+                grad = whole_grad.chunk(n)[rank]
+            else:
+                grad = torch.empty_like(shard)
+                ex09.reduce_scatter_single(grad, flat_grad)
             shard.grad = grad / n if divide else grad
-            optimizer.step()
+            if not no_step:
+                optimizer.step()
             if gather:
                 ex09.all_gather_single(flat_param, shard)
         return step
@@ -45,7 +51,9 @@ def test_known_wrong_answers_are_named(no_leftovers):
     cases = {variant(divide=False): "times too large",
              variant(gather=False): "all-gather is missing",
              variant(whole=True): "every rank steps every parameter",
-             variant(optimizer_per_step=True): "build the optimizer once"}
+             variant(optimizer_per_step=True): "build the optimizer once",
+             variant(all_reduce=True): "all-reduces the whole gradient and keeps its slice",
+             variant(no_step=True): "optimizer.step() is missing"}
     for fn, phrase in cases.items():
         fb = ex09.check_zero1(fn)
         assert fb.status == WRONG and phrase in fb.message, fb

@@ -395,3 +395,51 @@ def test_on_a_gpu_every_stage_equals_one_process_run_on_the_same_gpu(no_leftover
                              for m, o, s in cases}
     device, gaps = run(worker, 1, show_output=False)[0]
     assert device.startswith("cuda") and max(gaps.values()) < 1e-5, gaps
+
+
+def bf16_worker(rank, world_size):
+    """Each stage on a model stored in bf16, against stage 1 (which never assigns a gradient itself)."""
+    out = {}
+    for stage in (1, 2, 3):
+        model = T.build("mlp").to(torch.bfloat16)
+        wrapped, opt = T.wrap(stage, model, "sgd")
+        for x, y in T.batches("mlp", 4 * world_size, 2):
+            mine = slice(rank * 4, (rank + 1) * 4)
+            opt.zero_grad()
+            T.loss_fn("mlp", wrapped(x[mine].bfloat16()), y[mine]).backward()
+            opt.step()
+        out[stage] = T.state_of(stage, wrapped)
+        assert all(v.dtype == torch.bfloat16 for v in out[stage].values())
+    return out
+
+
+def test_every_stage_trains_a_bf16_model_and_the_stages_agree(no_leftovers):
+    """ZeRO-2 and ZeRO-3 used to assign an fp32 .grad to a bf16 shard (a RuntimeError); ZeRO-1 worked."""
+    for world_size in (2, 3):
+        states = run(bf16_worker, world_size, backend="gloo", show_output=False)[0]
+        start = T.build("mlp").to(torch.bfloat16).state_dict()
+        assert T.max_difference(states[1], start) > 1e-3                # it trained
+        for stage in (2, 3):
+            assert T.max_difference(states[stage], states[1]) < 2e-2    # a few bf16 steps of 2**-8 apart at most
+
+
+def test_a_global_norm_clip_needs_an_all_reduce_and_adafactor_is_not_element_wise(no_leftovers):
+    from course_lib.zero import clip
+    results = run(clip.clip_worker, 2, backend="gloo", show_output=False)
+    for r in results:
+        norms, gap = r["norms"], r["gap"]
+        assert abs(norms["all-reduced"] - norms["one process"]) < 1e-5
+        assert norms["torch on the shards"] < norms["one process"] - 0.1      # each rank sees its own slice only
+        assert gap["all-reduced"] < 1e-6 and gap["torch on the shards"] > 1e-3
+        assert gap["adam"] < 1e-6
+        assert gap["adafactor"] is None or gap["adafactor"] > 1e-3
+    assert results[0]["norms"]["torch on the shards"] != results[1]["norms"]["torch on the shards"]
+
+
+def test_sharded_optimizer_under_ddp_sends_one_and_a_half_times_ddp_and_stage_1_sends_ddps(no_leftovers):
+    for world_size in (2, 4):
+        log = run(measure.zero1_traffic_worker, world_size, backend="gloo", show_output=False)[0]
+        sent = {s: sum(flat.ring_bytes_sent(op, n, world_size) for op, n in ops) for s, ops in log.items()}
+        assert sorted({op for op, _ in log["sharded_optimizer"]}) == ["all-gather", "all-reduce"]
+        assert sorted({op for op, _ in log[1]}) == ["all-gather", "reduce-scatter"]
+        assert sent["sharded_optimizer"] == 1.5 * sent["ddp"] and sent[1] == sent["ddp"]

@@ -11,13 +11,16 @@ The learner writes ``zero1(flat_param, make_optimizer)``, which returns ``step(f
 The check trains a linear model for a few steps on 2 and 3 ranks and compares ``flat_param`` with one
 process on the global batch. SGD with momentum, not Adam: Adam divides the gradient by its own size,
 which would hide a gradient N times too large. It also counts the elements each rank's optimizer was
-built on: ZeRO-1 keeps optimizer state for 1/N of them.
+built on (ZeRO-1 keeps optimizer state for 1/N of them), and the collectives of every step with their bytes
+(:class:`..comm.record.CollectiveLog`): an all-reduce of the whole gradient, then keeping a slice, gives the
+right weights with 1.5 x the traffic, and is named.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..comm.record import CollectiveLog
 from ..zero.flat import all_gather_single, reduce_scatter_single
 from . import passed, run_attempt, wrong
 
@@ -72,11 +75,30 @@ def trial(rank: int, world_size: int, fn) -> dict:
     if not callable(step):
         return {"not callable": repr(step)}
     mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    collectives = []
     for t in range(STEPS):
         p = flat.clone().requires_grad_()
         _loss(p, x[t, mine], y[t, mine]).backward()
-        step(p.grad)
-    return {"final": flat.clone(), "built": built}
+        with CollectiveLog() as log:
+            step(p.grad)
+        collectives.append([(c.kind, c.nbytes) for c in log.records])
+    return {"final": flat.clone(), "built": built, "collectives": collectives}
+
+
+def _traffic_message(collectives: list, n: int) -> str | None:
+    """Name a step whose collectives are not one reduce-scatter and one all-gather of the whole vector."""
+    whole = SHAPE[0] * SHAPE[1] * 4
+    for kinds in collectives:
+        if any(kind == "all-reduce" and nbytes == whole for kind, nbytes in kinds):
+            return ("your step all-reduces the whole gradient and keeps its slice: the weights are right, but every "
+                    "rank receives the whole averaged gradient (ZeRO-1's memory at best) and the step sends an "
+                    "all-reduce plus an all-gather, 1.5 x what DDP sends. Reduce-scatter it: each rank receives "
+                    "only the sum of its own slice.")
+        if sorted(kinds) != [("all-gather", whole), ("reduce-scatter", whole)]:
+            return (f"on {n} ranks a step issued {[kind for kind, _ in kinds]} (bytes of each: "
+                    f"{[nbytes for _, nbytes in kinds]}); ZeRO-1's step is one reduce-scatter of the whole gradient "
+                    f"({whole} bytes) and one all-gather of the whole vector")
+    return None
 
 
 def reference(world_size: int, gradient_scale: float = 1.0) -> torch.Tensor:
@@ -112,7 +134,11 @@ def _diagnose(results: list[dict], n: int) -> str | None:
                 "(flat_param.chunk(world_size)[rank]) and all-gathers the updated slices.")
     final, expected = [r["final"] for r in results], reference(n)
     if all(_close(f, expected) for f in final):
-        return None
+        return _traffic_message(results[0]["collectives"], n)
+    gathered = all(any(kind == "all-gather" for kind, _ in step) for r in results for step in r["collectives"])
+    if gathered and all(torch.equal(f, start) for f in final):
+        return ("the weights never moved although the slices were all-gathered: optimizer.step() is missing "
+                "(set the slice's .grad, then step the optimizer, then all-gather).")
     ranks_disagree = len({tuple(f.tolist()) for f in final}) > 1
     if ranks_disagree or all(torch.equal(f, start) for f in final):
         return ("the all-gather is missing: after the step the ranks do not all hold the updated parameters (each has "

@@ -8,7 +8,13 @@ its slice of every parameter (see :mod:`.flat` for the slicing), and a step beco
 2. step this rank's slices of the parameters (an ordinary optimizer, built on the slices);
 3. **all-gather** the updated slices, so that every rank ends the step with every parameter.
 
-A reduce-scatter and an all-gather are the two halves of a ring all-reduce: ZeRO-1 sends what DDP sends.
+A reduce-scatter and an all-gather are the two halves of a ring all-reduce: done that way, ZeRO-1 sends what
+DDP sends. :class:`ShardedOptimizer` under DDP is an all-reduce (DDP's) plus an all-gather: 1.5 x DDP's bytes,
+like torch's ``ZeroRedundancyOptimizer``; ``shard(model, 1)`` is the reduce-scatter + all-gather form.
+
+Sharding the optimizer is exact only for an **element-wise** optimizer (SGD, Adam, Lion: each element's update
+reads that element's gradient and state alone). A factored one (Adafactor: row and column statistics) or a
+global-norm gradient clip needs the whole tensor: :func:`.clip.clip_grad_norm_` all-reduces the squared norms.
 
 :class:`ShardedOptimizer` is steps 2 and 3 as a drop-in optimizer (what torch's
 ``ZeroRedundancyOptimizer`` offers): it expects gradients already averaged (by DDP, MiniDDP...) and
@@ -60,7 +66,7 @@ def _as_groups(params) -> list[dict]:
 
 
 class ShardedOptimizer(Optimizer):
-    """ZeRO-1 as a drop-in optimizer: each rank keeps the state of its share of every parameter.
+    """ZeRO-1 as a drop-in for an element-wise optimizer: each rank keeps the state of its share of every parameter.
 
     ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`` behaves like
     ``torch.optim.AdamW(model.parameters(), lr=1e-3)`` on every rank (same weights after every step)
@@ -195,6 +201,7 @@ class LayerwiseZero2(LayerwiseZero1):
         dtype = next(g.dtype for g in grads if g is not None)
         for p, s, mean in zip(b.params, b.shards, b.group.reduce_scatter_mean(grads, dtype)):
             if p.grad is not None:
+                mean = mean.to(s.dtype)                                  # a bf16 model keeps bf16 gradients
                 s.grad = mean if s.grad is None else s.grad.add_(mean)   # accumulates over backward passes
                 p.grad = None                                            # the full gradient is freed now
         self._ready[k].clear()

@@ -1,8 +1,9 @@
 """ZeRO-3, the way FSDP2 does it: parameters sharded too, each layer gathered only while it computes.
 
 After :func:`fully_shard`, a layer holds only this rank's slice of each of its parameters, 1-D, as its
-registered parameters: ``model.parameters()`` are the shards, so any optimizer built on them keeps
-1/N of the state, and steps 1/N of the parameters, with no change to its code. Around the compute:
+registered parameters: ``model.parameters()`` are the shards, so an element-wise optimizer (SGD, Adam) built
+on them keeps 1/N of the state and steps 1/N of the parameters, with no change to its code (a factored one
+such as Adafactor, or a global-norm clip, needs the whole tensor: see :mod:`.clip`). Around the compute:
 
 * **forward pre-hook**: all-gather the layer's parameters and put the whole tensors in the layer's
   place (``module._parameters[name]``), so its ``forward`` runs unchanged;
@@ -96,6 +97,7 @@ class ShardedLayer:
         for i, mean in enumerate(self.group.reduce_scatter_mean(grads, self.full[0].dtype)):
             shard = self.shards[i]
             if grads[i] is not None:
+                mean = mean.to(shard.dtype)                    # a bf16 model keeps bf16 gradients
                 shard.grad = mean if shard.grad is None else shard.grad.add_(mean)
                 self.full[i].grad = None
         self.ready.clear()
