@@ -151,3 +151,62 @@ def placements_worker(rank: int, world_size: int, rows: int = 4, cols: int = 4) 
             moved = made[source].redistribute(mesh, [target]).to_local().cpu()
         out["redistribute"][label] = (moved, [r.kind for r in log.records])
     return out
+
+
+def reduce_partial_grads(module: nn.Module) -> int:
+    """Redistribute every ``Partial`` gradient of ``module`` to its parameter's placement, once; returns how many.
+
+    DTensor keeps a gradient ``Partial`` (each rank a partial sum: a LayerNorm's under sequence parallelism) and
+    reduces it on *every* read: AdamW's step reads each gradient several times, gradient clipping once more, and
+    each read is an all-reduce. Call this after ``backward()`` and before clipping and the step: one all-reduce
+    per such gradient, then plain reads. (FSDP2 does the same before its reduce-scatter.) Without it,
+    ``p.grad.to_local()`` is this rank's partial sum, not the gradient.
+    """
+    count = 0
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+            count += 1
+    return count
+
+
+def partial_grad_reads_worker(rank: int, world_size: int, cfg=None, remedy: bool = False, steps: int = 2,
+                              seed: int = 0) -> dict:
+    """A sequence-parallel DTensor block trained ``steps`` steps with ``clip_grad_norm_`` and AdamW: the
+    all-reduces each phase ran per step (``counts``: ``[{"remedy": n, "clip": n, "step": n}, ...]``), the final
+    weights (``weights``) and, after the first backward, ``ln1.weight``'s ``grad.to_local()`` before any remedy
+    next to the unsplit block's gradient (``local``, ``unsplit``)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .. import hardware
+    from ..comm.record import CollectiveLog
+    from ..models import TransformerConfig
+    from .check import split, unsplit
+
+    cfg = cfg or TransformerConfig()
+    device = hardware.rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, cfg.seq_len, cfg.dim, generator=g).to(device)
+    full_block = unsplit("block", cfg, seed).to(device)
+    full_block(x).square().sum().backward()
+    part = split("block", full_block, "dtensor", True, mesh)
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-3)
+    counts, seen = [], {}
+    for step in range(steps):
+        opt.zero_grad()
+        local(part(x.chunk(world_size, 1)[rank])).square().sum().backward()
+        if step == 0:
+            seen = {"local": local(part.ln1.weight.grad).detach().cpu(), "unsplit": full_block.ln1.weight.grad.cpu()}
+        phases = {}
+        for phase, act in (("remedy", lambda: reduce_partial_grads(part) if remedy else 0),
+                           ("clip", lambda: torch.nn.utils.clip_grad_norm_(part.parameters(), 1e9)),
+                           ("step", opt.step)):
+            with CollectiveLog() as log:
+                act()
+            phases[phase] = sum(1 for r in log.records if r.kind == "all-reduce")
+        counts.append(phases)
+    weights = {k: full(p).detach().cpu() for k, p in part.named_parameters()}
+    return {"counts": counts, "weights": weights, **seen}

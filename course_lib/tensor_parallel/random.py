@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from ..models.transformer import MLP, CausalSelfAttention
 
@@ -51,8 +52,44 @@ class RankGenerator:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
+    def get_state(self) -> dict:
+        """The state of every stream (one per device used so far), to hand back to :meth:`set_state`."""
+        return {device: g.get_state() for device, g in self._generators.items()}
+
+    def set_state(self, state: dict) -> None:
+        """Put every stream back where :meth:`get_state` found it (a stream made since starts afresh)."""
+        for device, g in self._generators.items():
+            if device in state:
+                g.set_state(state[device])
+            else:
+                g.manual_seed(self.seed)
+
     def __repr__(self) -> str:
         return f"RankGenerator(rank={self.rank}, seed={self.seed})"
+
+
+def checkpoint(fn, *args, rng: RankGenerator, **kwargs):
+    """``torch.utils.checkpoint.checkpoint(fn, *args)`` that replays ``rng``'s masks in the recomputation.
+
+    Recomputation runs ``fn``'s forward again in the backward pass. ``torch.utils.checkpoint`` restores only
+    torch's default generators, so a :class:`ShardedDropout` would draw a *new* mask there and the gradients
+    would be silently wrong. This saves ``rng``'s state before the forward, restores it for the recomputation,
+    and afterwards puts the stream back where it was, as Megatron-LM's RNG tracker does.
+    """
+    saved, calls = rng.get_state(), [0]
+
+    def replayed(*inner):
+        calls[0] += 1
+        if calls[0] == 1:                      # the forward pass
+            return fn(*inner)
+        now = rng.get_state()                  # the recomputation, in backward
+        rng.set_state(saved)
+        try:
+            return fn(*inner)
+        finally:
+            rng.set_state(now)
+
+    return torch.utils.checkpoint.checkpoint(replayed, *args, use_reentrant=False, **kwargs)
 
 
 class ShardedDropout(nn.Module):

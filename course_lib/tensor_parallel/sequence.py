@@ -64,13 +64,20 @@ def join_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                                 sequence_parallel: bool = False, attention_scores: bool = True) -> float:
+                                 sequence_parallel: bool = False, attention_scores: bool = True,
+                                 regather: bool = True) -> float:
     """Bytes of activations one transformer layer keeps for backward: the formulas of Korthikanti et al. (2022,
     "Reducing Activation Recomputation in Large Transformer Models", Table 2), for 16-bit activations and
     1-byte dropout masks, with ``sbh = seq * batch * hidden``:
 
     * tensor parallelism over ``tp`` ranks: ``sbh (10 + 24/tp + 5·a·s/(h·tp))``;
-    * with sequence parallelism: ``sbh (34/tp + 5·a·s/(h·tp))`` (``tp = 1``: ``sbh (34 + 5·a·s/h)``);
+    * with sequence parallelism as Megatron-LM builds it (``regather=True``): ``sbh (34/tp + 5·a·s/(h·tp))``.
+      All ten whole ``sbh`` terms are divided by ``tp``: the column-parallel layers keep only their sequence
+      slice of the input and all-gather it again in the backward pass (two more all-gathers per layer);
+    * with sequence parallelism as this course's :class:`~.blocks.ParallelBlock` and PyTorch's
+      ``SequenceParallel`` + ``ColwiseParallel`` build it (``regather=False``): the two all-gathered inputs of
+      the column-parallel layers (attention's and the MLP's, 2 bytes × sbh each) stay whole:
+      ``sbh (4 + 30/tp + 5·a·s/(h·tp))``;
     * ``attention_scores=False`` drops the ``5·a·s/h`` term: the ``heads × seq × seq`` scores, softmax and its
       dropout mask not kept (the paper's selective recomputation; FlashAttention-style kernels keep none either).
 
@@ -79,4 +86,6 @@ def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, 
     """
     sbh = seq * batch * hidden
     scores = 5 * heads * seq / hidden / tp if attention_scores else 0.0
-    return sbh * (34 / tp + scores) if sequence_parallel else sbh * (10 + 24 / tp + scores)
+    if not sequence_parallel:
+        return sbh * (10 + 24 / tp + scores)
+    return sbh * (34 / tp + scores) if regather else sbh * (4 + 30 / tp + scores)

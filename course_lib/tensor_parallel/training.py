@@ -37,13 +37,11 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
     if model is None:
         model = transformer(cfg.model, seed=cfg.seed)      # the same full model on every rank, then split
     model = model.to(device)
-    if layout in ("dtensor", "2d"):   # attention's dropout acts on this rank's heads: a stream per tp rank
-        tp_rank = dist.get_rank() % (tp if layout == "2d" else world_size)   # the mesh is (dp, tp), row-major
-        use_sharded_dropout(model, RankGenerator(cfg.seed, tp_rank))
     if layout == "tp":
         return tensor_parallel_transformer(model, seed=cfg.seed), 0, 1, None, None
     if layout == "dtensor":
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+        use_sharded_dropout(model, RankGenerator(cfg.seed, mesh.get_local_rank()))   # a stream per tp rank
         return parallelize(model, mesh, transformer_plan(cfg.model.layers)), 0, 1, None, mesh
     if layout == "2d":
         from torch.distributed.fsdp import fully_shard
@@ -53,6 +51,9 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
         if world_size % tp:
             raise ValueError(f"world_size {world_size} does not divide into tensor-parallel groups of {tp}")
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        # attention's dropout acts on this rank's heads: a stream per tp rank, its coordinate on the mesh's tp
+        # dimension (not get_rank() % tp, which assumes the mesh's layout)
+        use_sharded_dropout(model, RankGenerator(cfg.seed, mesh["tp"].get_local_rank()))
         parallelize(model, mesh["tp"], transformer_plan(cfg.model.layers))   # TP first, inside each group...
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])                                # ...then FSDP2 across the groups
