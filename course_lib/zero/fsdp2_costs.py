@@ -1,0 +1,194 @@
+"""What FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps and sends, counted on CPU ranks: the order of its
+backward collectives (prefetching), the root module's ``reshard_after_forward``, the bytes a parameter costs under
+mixed precision, gradient accumulation without a reduce-scatter per micro-batch, and building a model on the
+``meta`` device so that no rank ever holds it whole.
+
+Collectives are recorded by :class:`~course_lib.comm.record.CollectiveLog` (the communication library's operators
+only). Whole (unsharded) gradients between micro-batches are read from FSDP2's per-parameter state
+(``FSDPParam``), the one place they live: :func:`whole_gradient_bytes` says ``None`` where a torch version names
+them differently.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm.record import CollectiveLog
+from ..hardware import rank_device
+from .fsdp2 import apply_fsdp2, force_sum_on_gloo, fsdp_units, unsharded_bytes
+
+
+class Block(nn.Module):
+    """Two ``width`` x ``width`` Linear layers with a ReLU between them and a residual connection."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class BlockNet(nn.Module):
+    """``depth`` blocks, then a ``head`` that the root owns itself: the shape of a transformer's stack."""
+
+    def __init__(self, width: int = 32, depth: int = 3, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def in_flight(records, phase: str = "backward") -> list[int]:
+    """After each collective of ``phase``: how many units are gathered and not yet reduce-scattered (a unit's
+    whole weights are freed right before its gradient's reduce-scatter)."""
+    alive, out = 0, []
+    for r in records:
+        if r.phase == phase:
+            alive += {"all-gather": 1, "reduce-scatter": -1}.get(r.kind, 0)
+            out.append(alive)
+    return out
+
+
+def order_worker(rank: int, world_size: int, model_fn) -> dict:
+    """One forward and backward of ``apply_fsdp2(model_fn())``: its collectives in order, per phase."""
+    model = apply_fsdp2(model_fn().to(rank_device()))
+    log = CollectiveLog()
+    x = torch.randn(4, next(model.parameters()).shape[-1], device=rank_device())
+    with log:
+        out = model(x)
+        with log.during("backward"):
+            out.pow(2).mean().backward()
+    return {phase: [r.kind for r in log.records if r.phase == phase] for phase in ("forward", "backward")} | {
+        "in flight": in_flight(log.records)}
+
+
+def root_reshard_worker(rank: int, world_size: int, width: int = 32) -> dict:
+    """``fully_shard`` with its defaults on each block and on the root: which parameters are held whole between
+    forward and backward, and the all-gathers of backward."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    model = BlockNet(width)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    force_sum_on_gloo(model)
+    log = CollectiveLog()
+    with log:
+        out = model(torch.randn(4, width))
+        whole = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        with log.during("backward"):
+            out.pow(2).mean().backward()
+    return {"whole after forward": whole, "backward all-gathers": sum(
+        r.kind == "all-gather" and r.phase == "backward" for r in log.records)}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bytes_per_parameter_worker(rank: int, world_size: int, width: int, param_dtype=None, reduce_dtype=None) -> dict:
+    """One AdamW step of a :class:`BlockNet` under FSDP2 with a ``MixedPrecisionPolicy``: the bytes a parameter
+    costs, summed over the ranks (shards, their gradients, AdamW's two moments), the dtypes of each, and the bytes
+    per parameter each rank sends in the step (ring: (N-1)/N of each gather's and reduce-scatter's tensor)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model = BlockNet(width)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=True)   # the head too: 2 gathers a unit
+    force_sum_on_gloo(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    log = CollectiveLog()
+    with log:
+        out = model(torch.randn(4, width))
+        with log.during("backward"):
+            out.float().pow(2).mean().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    shards = [p.to_local() for p in model.parameters()]
+    moments = [v.to_local() for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    per = lambda nbytes: nbytes * world_size / n                               # noqa: E731
+    sent = lambda kind: sum(r.nbytes for r in log.records if r.kind == kind) * (world_size - 1) / world_size / n  # noqa: E731
+    grads = [p.grad.to_local() for p in model.parameters()]
+    return {"parameters": per(_nbytes(shards)), "gradients": per(_nbytes(grads)),
+            "optimizer states": per(_nbytes(moments)), "dtypes": (shards[0].dtype, model.head.weight.grad.dtype),
+            "all-gather": sent("all-gather"), "reduce-scatter": sent("reduce-scatter")}
+
+
+def whole_gradient_bytes(model: nn.Module) -> int | None:
+    """Bytes of unsharded gradients FSDP2 holds right now (kept between micro-batches when gradient sync is off);
+    ``None`` if this torch version keeps them under other names."""
+    total = 0
+    for unit in fsdp_units(model):
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or []:
+            grad = getattr(fp, "unsharded_accumulated_grad", None)
+            if grad is None:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                grad = None if unsharded is None else unsharded.grad
+            total += 0 if grad is None else grad.numel() * grad.element_size()
+    return total
+
+
+def accumulation_worker(rank: int, world_size: int, width: int, mode: str, micro_batches: int = 2) -> dict:
+    """``micro_batches`` forward and backward passes before one step, under FSDP2 (fp32).
+
+    ``mode``: ``"sync"`` reduce-scatters after every micro-batch (the default); ``"no sync"`` turns it off
+    (``set_requires_gradient_sync(False)``) for all but the last; ``"no sync, keep weights"`` also keeps the whole
+    weights between micro-batches (``set_reshard_after_backward(False)``). Returns the collectives, the whole bytes
+    held between micro-batches and the summed gradient (whole, every rank)."""
+    model = apply_fsdp2(BlockNet(width))
+    log = CollectiveLog()
+    g = torch.Generator().manual_seed(rank)
+    between = {}
+    for i in range(micro_batches):
+        last = i == micro_batches - 1
+        if mode != "sync":
+            model.set_requires_gradient_sync(last)
+        if mode == "no sync, keep weights":
+            model.set_reshard_after_backward(last)
+        with log:
+            out = model(torch.randn(4, width, generator=g))
+            with log.during("backward"):
+                out.pow(2).mean().backward()
+        if not last:
+            between = {"whole gradients": whole_gradient_bytes(model), "whole weights": unsharded_bytes(model)}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    kinds = [r.kind for r in log.records]
+    return {"all-gathers": kinds.count("all-gather"), "reduce-scatters": kinds.count("reduce-scatter"),
+            **between, "grads": grads, "model bytes": _nbytes(p.full_tensor() for p in model.parameters())}
+
+
+def meta_init_worker(rank: int, world_size: int, width: int, depth: int) -> dict:
+    """Build a :class:`BlockNet` on the ``meta`` device (shapes, no storage), shard it, then give each rank's shards
+    memory (``to_empty``) and initialise them (``reset_parameters``). Returns the bytes the model held on this rank
+    at each point, the whole model's bytes, and this rank's shapes."""
+    from torch.distributed.fsdp import fully_shard
+    with torch.device("meta"):
+        model = BlockNet(width, depth)
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p                       # noqa: E731
+    real = lambda: sum(0 if local(p).is_meta else local(p).untyped_storage().nbytes()     # noqa: E731
+                       for p in model.parameters())
+    built = real()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    sharded = real()
+    model.to_empty(device=rank_device())
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()                      # initialises this rank's rows of each DTensor
+    n = sum(p.numel() for p in model.parameters())
+    weight = model.blocks[0].up.weight
+    return {"after building": built, "after fully_shard": sharded, "after to_empty": real(), "whole": 4 * n,
+            "placement": str(weight.placements[0]), "shape": tuple(weight.shape),
+            "local shape": tuple(weight.to_local().shape), "device": str(weight.to_local().device),
+            "finite": all(bool(p.to_local().isfinite().all()) for p in model.parameters()),
+            "rank": dist.get_rank()}

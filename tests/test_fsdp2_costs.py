@@ -1,0 +1,58 @@
+"""FSDP2's costs, counted on 2 Gloo ranks (course_lib.zero.fsdp2_costs): the backward order under prefetching, the
+root's default reshard, bytes per parameter under mixed precision, gradient accumulation, meta-device init."""
+import functools
+
+import torch
+
+from course_lib.comm.record import Collective
+from course_lib.launch import run
+from course_lib.zero import fsdp2_costs, measure
+
+
+def _all(rank, world_size):
+    out = {"order": fsdp2_costs.order_worker(rank, world_size, functools.partial(measure.deep_mlp, 32, 3)),
+           "root": fsdp2_costs.root_reshard_worker(rank, world_size),
+           "meta": fsdp2_costs.meta_init_worker(rank, world_size, 32, 2)}
+    for dtypes in ((None, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None)):
+        out[dtypes] = fsdp2_costs.bytes_per_parameter_worker(rank, world_size, 16, *dtypes)
+    for mode in ("sync", "no sync", "no sync, keep weights"):
+        out[mode] = fsdp2_costs.accumulation_worker(rank, world_size, 16, mode)
+    return out
+
+
+def test_fsdp2_costs_on_two_ranks():
+    results = run(_all, 2, backend="gloo", show_output=False)
+    r = results[0]
+    assert r["order"]["forward"] == ["all-gather"] * 3
+    assert r["order"]["backward"] == ["all-gather", "all-gather", "reduce-scatter", "all-gather", "reduce-scatter",
+                                      "reduce-scatter"]
+    assert max(r["order"]["in flight"]) == 2 and r["order"]["in flight"][-1] == 0
+    assert r["root"] == {"whole after forward": ["head.weight", "head.bias"], "backward all-gathers": 3}
+    for dtypes in r:
+        if isinstance(dtypes, tuple):
+            assert [r[dtypes][k] for k in ("parameters", "gradients", "optimizer states")] == [4, 4, 8]
+            assert r[dtypes]["dtypes"] == (torch.float32, torch.float32)
+    assert (r[None, None]["all-gather"], r[None, None]["reduce-scatter"]) == (4.0, 2.0)         # fp32: 1.5 x DDP's 4
+    assert (r[torch.bfloat16, torch.float32]["all-gather"], r[torch.bfloat16, torch.float32]["reduce-scatter"]) == (
+        2.0, 2.0)                                                                              # = fp32 DDP's 4
+    assert (r[torch.bfloat16, None]["all-gather"], r[torch.bfloat16, None]["reduce-scatter"]) == (2.0, 1.0)
+    sync, no_sync, keep = r["sync"], r["no sync"], r["no sync, keep weights"]
+    assert (sync["all-gathers"], sync["reduce-scatters"]) == (28, 14)
+    assert (no_sync["all-gathers"], no_sync["reduce-scatters"]) == (28, 7)
+    assert (keep["all-gathers"], keep["reduce-scatters"]) == (21, 7)
+    assert sync["whole gradients"] == 0 and no_sync["whole gradients"] == keep["whole gradients"] == sync["model bytes"]
+    assert no_sync["whole weights"] == 0 and keep["whole weights"] == sync["model bytes"]
+    for name in sync["grads"]:
+        assert torch.allclose(sync["grads"][name], no_sync["grads"][name], atol=1e-6)
+        assert torch.allclose(sync["grads"][name], keep["grads"][name], atol=1e-6)
+    for m in (res["meta"] for res in results):
+        assert m["after building"] == m["after fully_shard"] == 0 and m["after to_empty"] == m["whole"] // 2
+        assert (m["placement"], m["shape"], m["local shape"], m["finite"]) == ("S(0)", (32, 32), (16, 32), True)
+
+
+def test_in_flight_counts_gathers_not_yet_reduced():
+    records = [Collective("all-gather", 8, "forward"), Collective("all-gather", 8, "backward"),
+               Collective("all-gather", 8, "backward"), Collective("reduce-scatter", 8, "backward"),
+               Collective("reduce-scatter", 8, "backward")]
+    assert fsdp2_costs.in_flight(records) == [1, 2, 1, 0]
+    assert fsdp2_costs.in_flight(records, "forward") == [1]
