@@ -153,3 +153,20 @@ def test_recompute_benchmark_worker_times_and_measures_each_policy():
     r = run(bench.step_time_worker, 1, cfg, 4, ("none", "full"), 2, 1, backend="gloo", show_output=False)[0]
     assert set(r) == {"none", "full"} and all(v["seconds"] > 0 for v in r.values())
     assert r["full"]["held"] < 0.6 * r["none"]["held"]
+
+
+@pytest.mark.parametrize("b, s, h, a, f, dropout, dtype", [SHAPES[0], SHAPES[2], SHAPES[3]])
+def test_fused_attention_saves_no_scores_and_equals_its_formula(b, s, h, a, f, dropout, dtype):
+    """SDPA saves its output and a (b, a, s) fp32 logsumexp; the outputs equal eager attention's."""
+    from course_lib.memory.fused import with_fused_attention
+    block = Block(TransformerConfig(dim=h, heads=a, hidden=f, seq_len=s)).to(dtype)
+    fused = with_fused_attention(block)
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    measured = saved_bytes(fused, x, exclude=list(fused.parameters()))
+    assert measured == block_activation_bytes(b, s, h, a, f, x.element_size(), attention="fused")["total"]
+    eager = block_activation_bytes(b, s, h, a, f, x.element_size())["total"]
+    assert eager - measured == b * a * s * s * x.element_size() + s * s - b * a * s * 4
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused(x), block(x))
+    with pytest.raises(ValueError, match="attention must be"):
+        block_activation_bytes(b, s, h, a, f, attention="flash")

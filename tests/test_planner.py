@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from course_lib.launch import run
-from course_lib.memory import training_memory
-from course_lib.memory.planner import PRESETS, block_params, collectives, layout_name, param_count, plan, predict
+from course_lib.memory import fits, training_memory
+from course_lib.memory.planner import PRESETS, block_params, collectives, param_count, plan, predict
 from course_lib.memory.verify import compare, measure_worker
 from course_lib.models import TransformerConfig, transformer
 
@@ -49,17 +49,45 @@ def test_predictions_behave_as_the_notebooks_measured():
         predict(cfg, 2048, 1, recompute="selective")
 
 
-def test_plan_orders_layouts_and_says_what_fits():
+def test_plan_orders_layouts_by_memory_and_says_what_fits():
     cfg = PRESETS["6.7 B (32 x 4096)"]
     rows = plan(cfg, 2048, 1, 8, 80)
-    assert rows[0]["fits"] and layout_name(rows[0]) == "DP 8, ZeRO-2"      # no recompute, no TP traffic, least data
+    fitting = [r for r in rows if r["fits"]]
+    assert rows[:len(fitting)] == fitting and [r["gib"] for r in fitting] == sorted(r["gib"] for r in fitting)
     ddp = next(r for r in rows if r["tp"] == 1 and r["zero"] == 0 and r["recompute"] == "none")
     assert not ddp["fits"] and ddp["gib"] > 80                          # 16 bytes x 6.9 B params alone: 110 GB
-    assert all(r["fits"] for r in rows[:rows.index(ddp)])
     assert {r["tp"] for r in rows} == {1, 2, 4, 8}
     assert not any(r["fits"] for r in plan(PRESETS["70 B (80 x 8192)"], 4096, 1, 1, 80))
     with pytest.raises(ValueError, match="positions"):
         plan(cfg, 4096, 1, 8, 80)
+
+
+def test_the_calculator_does_not_rank_by_cost_the_layout_planner_ranks_by_seconds():
+    """The bytes-only order is by memory; a cost ranking needs seconds: course_lib.layout ranks by predicted step
+    time (notebook 17), with fused attention for its presets."""
+    import course_lib.memory.planner as planner
+    assert "not a cost ranking" in planner.plan.__doc__ and "course_lib.layout.rank" in planner.plan.__doc__
+    from course_lib.layout import PRESETS as LAYOUT_PRESETS
+    from course_lib.layout import h100_cluster, rank
+    assert all(m.attention == "fused" for m in LAYOUT_PRESETS.values())
+    ranked = rank(LAYOUT_PRESETS["llama-3-70b"], h100_cluster(8), 512, micro_batches=(1, 2))
+    steps = [r["time"]["step"] for r in ranked]
+    assert steps == sorted(steps) and len(steps) > 3
+
+
+def test_attention_option_fused_by_default_eager_keeps_the_scores():
+    """70 B on 64 GPUs, TP 8 x DP 8, ZeRO-2: with the eager s² scores 80.4 GiB, over 90% of 80 GiB; fused 59.2 GiB."""
+    cfg = PRESETS["70 B (80 x 8192)"]
+    fused, eager = (predict(cfg, 4096, 1, tp=8, dp=8, zero=2, attention=a) for a in ("fused", "eager"))
+    assert predict(cfg, 4096, 1, tp=8, dp=8, zero=2) == fused
+    assert 55 < fused["memory"]["total"] / 2**30 < 62 < 72 < eager["memory"]["total"] / 2**30
+    assert fits(fused["memory"], 80) and not fits(eager["memory"], 80)
+    s, b, a = 4096, 1, cfg.heads
+    scores = eager["memory"]["activations"] - fused["memory"]["activations"]
+    per_layer = b * a * s * s * 2 // 8 + s * s - b * a * s * 4 // 8    # out's input: a view in fused
+    assert scores == cfg.layers * per_layer          # softmax (split 8 ways) and mask, less the logsumexp
+    with pytest.raises(ValueError, match="attention must be"):
+        predict(cfg, 4096, 1, attention="flash")
 
 
 def test_layout_planner_widget_is_driven_in_code():
@@ -88,6 +116,6 @@ def test_layout_planner_widget_is_driven_in_code():
 
 
 def test_fp32_figures_of_the_calculator_use_four_bytes():
-    p = predict(CFG, 32, 2, dtype="fp32", device="cpu")
+    p = predict(CFG, 32, 2, dtype="fp32", device="cpu", attention="eager")
     assert p["memory"]["fp32 master weights"] == 0 and p["memory"]["weights"] == 4 * param_count(CFG)
     assert torch.finfo(torch.float32).bits == 32

@@ -55,6 +55,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+ATTENTION = ("eager", "fused")
+
 
 def conventions(device: str | torch.device = "cpu", dtype_bytes: int = 4) -> dict:
     """Bytes per element of LayerNorm's statistics and of a dropout mask, which depend on the device.
@@ -69,8 +71,15 @@ def conventions(device: str | torch.device = "cpu", dtype_bytes: int = 4) -> dic
 
 def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: int | None = None,
                            dtype_bytes: int = 4, dropout: bool = False, device: str | torch.device = "cpu",
-                           stats_bytes: int | None = None, mask_bytes: int | None = None, tp: int = 1) -> dict:
+                           stats_bytes: int | None = None, mask_bytes: int | None = None, tp: int = 1,
+                           attention: str = "eager") -> dict:
     """Bytes one block saves for backward, term by term (the module docstring's table), and ``"total"``.
+
+    ``attention``: ``"eager"`` (the course's block: scores, softmax and ``probs @ v`` as separate operators,
+    the ``s²`` terms; Korthikanti's case) or ``"fused"`` (``F.scaled_dot_product_attention``, FlashAttention):
+    no scores, no mask; the kernel saves its output (``bsh·d``; laid out so that joining the heads is a view:
+    ``out`` saves that same storage) and a ``(b, a, s)`` fp32 logsumexp, and
+    regenerates an attention dropout from its random state (no mask kept). :mod:`.fused` measures it.
 
     ``tp``: the block split over ``tp`` ranks by tensor parallelism (Megatron's layout, notebook 11): each
     rank keeps ``1/tp`` of what lives inside the attention heads and the MLP's hidden units (q, k, v, the
@@ -81,6 +90,8 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
     f = hidden if hidden is not None else 4 * dim
     if min(batch, seq, dim, heads, tp) < 1 or dim % heads:
         raise ValueError(f"need positive sizes and dim divisible by heads, got b={batch} s={seq} h={dim} a={heads}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if heads % tp or f % tp:
         raise ValueError(f"tensor parallelism over tp={tp} ranks needs heads ({heads}) and the MLP width ({f}) "
                          "divisible by tp")
@@ -89,23 +100,26 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
     st = conv["stats_bytes"] if stats_bytes is None else stats_bytes
     m = conv["mask_bytes"] if mask_bytes is None else mask_bytes
     bsh = b * s * h
+    eager = attention == "eager"
     parts = {
         "LayerNorm inputs (x twice)": 2 * bsh * d,
         "LayerNorm mean and 1/std": 2 * 2 * b * s * st,
         "LayerNorm outputs (Linear inputs)": 2 * bsh * d,
         "q, k, v for the attention matmuls": 3 * bsh * d // tp,
-        "causal mask": s * s,
-        "softmax output": b * a * s * s * d // tp,
-        "heads joined (out's input)": bsh * d // tp,
+        "causal mask": s * s if eager else 0,
+        "softmax output": b * a * s * s * d // tp if eager else 0,
+        "fused attention: output and logsumexp": 0 if eager else (bsh * d + b * a * s * 4) // tp,
+        "heads joined (out's input)": bsh * d // tp if eager else 0,   # fused: a view of the kernel's output
         "MLP: GELU input and output": 2 * b * s * f * d // tp,
-        "dropout masks and outputs": (b * a * s * s * (m + d) // tp + 2 * bsh * m) if dropout else 0,
+        "dropout masks and outputs": ((b * a * s * s * (m + d) // tp if eager else 0) + 2 * bsh * m) if dropout else 0,
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
 def model_activation_bytes(cfg, batch: int, seq: int | None = None, dtype_bytes: int = 4,
-                           device: str | torch.device = "cpu", layers: int | None = None, tp: int = 1) -> dict:
+                           device: str | torch.device = "cpu", layers: int | None = None, tp: int = 1,
+                           attention: str = "eager") -> dict:
     """Bytes the whole course transformer (``cfg``: a ``TransformerConfig``) saves for a forward and its loss.
 
     Blocks (``layers`` of them, default ``cfg.layers``) plus what is outside them: the embedding's token and
@@ -118,7 +132,8 @@ def model_activation_bytes(cfg, batch: int, seq: int | None = None, dtype_bytes:
     n = cfg.layers if layers is None else layers
     d, b, h = dtype_bytes, batch, cfg.dim
     conv = conventions(device, d)
-    block = block_activation_bytes(b, s, h, cfg.heads, cfg.hidden, d, cfg.dropout > 0, device, tp=tp)["total"]
+    block = block_activation_bytes(b, s, h, cfg.heads, cfg.hidden, d, cfg.dropout > 0, device, tp=tp,
+                                   attention=attention)["total"]
     outside = {
         "token and position indices": 8 * b * s + 8 * s,
         "embedding dropout mask": b * s * h * conv["mask_bytes"] if cfg.dropout > 0 else 0,

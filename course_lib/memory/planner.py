@@ -9,7 +9,11 @@ width), a sequence length, a micro-batch per GPU, a number of GPUs and their mem
 layout the course built: data parallelism with ZeRO stage 0 (DDP), 1, 2 or 3 (notebook 09), a tensor-parallel
 degree t (notebook 11; the other GPUs / t do data parallelism), with or without whole-layer recomputation
 (notebook 13), and says for each the bytes every GPU holds, whether they fit, the bytes every GPU sends per
-step and the extra compute. Everything is assembled from the pieces the notebooks measured:
+step and the extra compute. It does not rank layouts by cost: that needs seconds, not bytes (notebook 17).
+Attention is fused by default (``attention="fused"``: FlashAttention / SDPA, no ``s²`` scores, what training
+stacks run); ``"eager"`` is Korthikanti et al.'s case, the scores stored.
+
+Everything is assembled from the pieces the notebooks measured:
 
 * weights, gradients, optimizer states and master weights per GPU: :func:`.arithmetic.training_memory`
   (with ZeRO's 1/N), over the parameters a tensor-parallel rank holds (:func:`param_count`);
@@ -90,7 +94,8 @@ def collectives(cfg: TransformerConfig, seq: int, batch: int, tp: int = 1, dp: i
 
 
 def predict(cfg: TransformerConfig, seq: int, batch: int, tp: int = 1, dp: int = 1, zero: int = 0,
-            recompute: str = "none", dtype: str = "bf16", optimizer: str = "adam", device: str = "cuda") -> dict:
+            recompute: str = "none", dtype: str = "bf16", optimizer: str = "adam", device: str = "cuda",
+            attention: str = "fused") -> dict:
     """Bytes one GPU holds for one layout (``"memory"``: each part and ``"total"``), the step's collectives,
     bytes sent per GPU (``"sent"``: by group), and the extra compute of recomputation (fraction of a step)."""
     from ..comm.costmodel import ring_steps_and_bytes
@@ -101,10 +106,10 @@ def predict(cfg: TransformerConfig, seq: int, batch: int, tp: int = 1, dp: int =
         raise ValueError(f"need zero in {ZERO_STAGES} and positive tp, dp, seq, batch; got zero={zero}, tp={tp}, "
                          f"dp={dp}, seq={seq}, batch={batch}")
     d = DTYPE_BYTES[dtype]
-    acts = model_activation_bytes(cfg, batch, seq, d, device, tp=tp)
+    acts = model_activation_bytes(cfg, batch, seq, d, device, tp=tp, attention=attention)
     if recompute == "full":
         one_layer = block_activation_bytes(batch, seq, cfg.dim, cfg.heads, cfg.hidden, d, cfg.dropout > 0, device,
-                                           tp=tp)["total"]
+                                           tp=tp, attention=attention)["total"]
         activations = acts["total"] - acts["blocks"] + cfg.layers * batch * seq * cfg.dim * d
     else:
         one_layer, activations = 0, acts["total"]
@@ -124,12 +129,14 @@ def predict(cfg: TransformerConfig, seq: int, batch: int, tp: int = 1, dp: int =
 
 
 def plan(cfg: TransformerConfig, seq: int, batch: int, gpus: int, gib_per_gpu: float, dtype: str = "bf16",
-         optimizer: str = "adam") -> list[dict]:
+         optimizer: str = "adam", attention: str = "fused") -> list[dict]:
     """Every layout for ``gpus`` GPUs: tensor-parallel degree ``tp`` (dividing the GPUs, the heads and the MLP
     width, at most 8: one NVLink node), ``dp = gpus / tp``, ZeRO stage (only 0 when ``dp = 1``), recomputation.
     Each row: the layout, GiB per GPU, whether it fits in 90% of ``gib_per_gpu``, GB sent per GPU per step (data
-    and tensor groups) and the extra compute. Fitting rows first, cheapest first (extra compute, then tensor
-    traffic, then data traffic)."""
+    and tensor groups) and the extra compute. Fitting rows first, then by GiB per GPU, least first: a memory
+    order, not a cost ranking. Bytes sent say nothing of seconds (a tensor-parallel byte crosses NVLink, a
+    data-parallel byte the network, mostly hidden behind backward): :func:`course_lib.layout.rank` (notebook 17)
+    ranks layouts by predicted step time."""
     if gpus < 1 or gib_per_gpu <= 0 or seq > cfg.seq_len:
         raise ValueError(f"need gpus >= 1, gib_per_gpu > 0 and seq <= the model's {cfg.seq_len} positions; got "
                          f"gpus={gpus}, gib_per_gpu={gib_per_gpu}, seq={seq}")
@@ -138,12 +145,12 @@ def plan(cfg: TransformerConfig, seq: int, batch: int, gpus: int, gib_per_gpu: f
         dp = gpus // tp
         for zero in (ZERO_STAGES if dp > 1 else (0,)):
             for recompute in RECOMPUTE:
-                p = predict(cfg, seq, batch, tp, dp, zero, recompute, dtype, optimizer)
+                p = predict(cfg, seq, batch, tp, dp, zero, recompute, dtype, optimizer, attention=attention)
                 rows.append({"tp": tp, "dp": dp, "zero": zero, "recompute": recompute,
                              "gib": p["memory"]["total"] / 2**30, "fits": fits(p["memory"], gib_per_gpu),
                              "data_gb": p["sent"]["data"] / 1e9, "tensor_gb": p["sent"]["tensor"] / 1e9,
                              "extra_compute": p["extra_compute"], "memory": p["memory"]})
-    rows.sort(key=lambda r: (not r["fits"], round(r["extra_compute"], 6), r["tensor_gb"], r["data_gb"], r["gib"]))
+    rows.sort(key=lambda r: (not r["fits"], r["gib"]))
     return rows
 
 

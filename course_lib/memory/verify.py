@@ -98,7 +98,7 @@ def compare(measured: dict, cfg, batch: int, world_size: int) -> list[dict]:
     n, s = world_size, cfg.seq_len
     rows = []
     for recompute in ("none", "full"):
-        p = predict(cfg, s, batch, recompute=recompute, dtype="fp32", device="cpu")
+        p = predict(cfg, s, batch, recompute=recompute, dtype="fp32", device="cpu", attention="eager")
         rows.append({"what": f"activations saved, recompute {recompute}", "predicted": p["memory"]["activations"],
                      "measured": measured[f"saved_{recompute}"]})
     extra = measured["flops_full"] / measured["flops_none"] - 1
@@ -106,7 +106,7 @@ def compare(measured: dict, cfg, batch: int, world_size: int) -> list[dict]:
                  "predicted": round(predict(cfg, s, batch, recompute="full")["extra_compute"], 9),
                  "measured": round(extra, 9)})
     for stage in (1, 2, 3):
-        mem = predict(cfg, s, batch, dp=n, zero=stage, dtype="fp32", device="cpu")["memory"]
+        mem = predict(cfg, s, batch, dp=n, zero=stage, dtype="fp32", device="cpu", attention="eager")["memory"]
         got = measured["zero"][stage]
         for part, key in (("weights", "parameters"), ("gradients", "gradients"),
                           ("optimizer states", "optimizer states")):
@@ -120,7 +120,7 @@ def compare(measured: dict, cfg, batch: int, world_size: int) -> list[dict]:
                  "measured": _by_kind(measured["ddp"])})
     rows.append({"what": f"TP {n}: parameters per rank", "predicted": param_count(cfg, n),
                  "measured": measured["tp_params"]})
-    acts = predict(cfg, s, batch, tp=n, dtype="fp32", device="cpu")["memory"]["activations"]
+    acts = predict(cfg, s, batch, tp=n, dtype="fp32", device="cpu", attention="eager")["memory"]["activations"]
     rows.append({"what": f"TP {n}: activations saved per rank", "predicted": acts, "measured": measured["tp_saved"]})
     for recompute in ("none", "full"):
         coll = collectives(cfg, s, batch, tp=n, recompute=recompute, dtype="fp32")
