@@ -1,117 +1,153 @@
-"""Notebook 11's exercise: write ``f``, the operator at the entry of a column-parallel layer.
+"""Notebook 11's exercises: write ``f``, then the column- and row-parallel layers of a parallel MLP.
 
-``f`` is the identity in the forward pass and an all-reduce (sum) of the gradient in the backward pass. The
-learner writes ``fn(x)`` (typically ``MyF.apply(x)`` for a ``torch.autograd.Function``). The check runs it on
-2 and 4 ranks, twice:
-
-1. a probe: the same ``x`` on every rank, a loss ``(fn(x) * w_rank).sum()`` with a different ``w_rank`` per
-   rank, so the right input gradient is the sum of the ``w_rank``; what comes out instead names the mistake;
-2. in use: ``fn`` at the entry of a column → row MLP, whose input gradient must equal the unsplit MLP's.
+1. ``fn(x, group)`` (:func:`check_f`): ``f``, the identity forward and an all-reduce (sum) of the gradient over
+   ``group`` backward. The check runs on 4 ranks as two groups of 2 ({0, 1} and {2, 3}), then on all 4 as one
+   group. Every rank gets a different ``x`` (a forward that communicates changes it) and a different weight
+   ``w_rank`` in its loss ``(fn(x, group) * w_rank).sum()``, so the right input gradient is the sum of the
+   ``w_rank`` over the group, and an all-reduce over every rank instead of the group gives another sum. The
+   collectives are counted: none in the forward, one all-reduce in the backward. Then ``fn`` goes at the entry of
+   a column → row MLP, whose input gradient must equal the unsplit MLP's.
+2. ``column(linear, group)`` and ``row(linear, group)`` (:func:`check_parallel_mlp`, in :mod:`._ex11_mlp`):
+   the two layers of a split MLP, equal to the unsplit one with every gradient.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm.record import CollectiveLog
 from ..models.transformer import MLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.operators import f as reference_f  # noqa: F401 (the reference solution)
 from . import passed, run_attempt, wrong
+from ._ex11_mlp import GROUPS, check_parallel_mlp, make_groups  # noqa: F401 (exercise 2)
 
-WORLD_SIZES = (2, 4)
-
-
-def probe(rank, world_size, fn):
-    """Worker: the forward output, the input gradient, and what they should be."""
-    x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).requires_grad_()
-    weights = [torch.arange(6, dtype=torch.float64) * (r + 1) + r for r in range(world_size)]  # w_r per rank
-    y = fn(x)
-    if not isinstance(y, torch.Tensor):
-        return {"type": type(y).__name__}
-    if y.requires_grad:
-        (y * weights[rank]).sum().backward()
-    grad = None if x.grad is None else x.grad.clone()
-    return {"type": "Tensor", "y": y.detach().clone(), "x": x.detach(), "grad": grad, "own": weights[rank],
-            "sum": sum(weights)}
+WORLD = 4
 
 
-def in_an_mlp(rank, world_size, fn):
-    """Worker: ``fn`` entering a column → row MLP; the input gradient next to the unsplit MLP's.
+def _probe(rank, fn, group, members):
+    x = (torch.linspace(-1.0, 1.0, 6, dtype=torch.float64) + 10 * rank).requires_grad_()   # its own x per rank
+    weights = [torch.arange(6, dtype=torch.float64) * (r + 1) + r for r in range(WORLD)]   # w_r per rank
+    with CollectiveLog() as log:
+        y = fn(x, group)
+        if not isinstance(y, torch.Tensor):
+            return {"type": type(y).__name__}
+        with log.during("backward"):
+            if y.requires_grad:
+                (y * weights[rank]).sum().backward()
+    xs = [torch.linspace(-1.0, 1.0, 6, dtype=torch.float64) + 10 * r for r in range(WORLD)]
+    return {"type": "Tensor", "y": y.detach().clone(), "x": x.detach(), "n": len(members),
+            "grad": None if x.grad is None else x.grad.clone(), "own": weights[rank],
+            "sum": sum(weights[r] for r in members), "world sum": sum(weights),
+            "x sum": sum(xs[r] for r in members), "x world sum": sum(xs),
+            "forward": [c.kind for c in log.records if c.phase == "forward"],
+            "backward": [c.kind for c in log.records if c.phase == "backward"]}
 
-    In float64, like the probe: the split MLP adds in another order than the unsplit one, and float32's
-    rounding (~1e-7 relative) would leave a correct ``f`` little margin under the check's tolerance.
-    """
+
+def _in_an_mlp(rank, fn, group, members):
+    """``fn`` entering a column → row MLP; the input gradient next to the unsplit MLP's (float64)."""
     torch.manual_seed(0)
     mlp = MLP(8, 16).double()
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1 + members[0]), dtype=torch.float64)
     x_full = x.clone().requires_grad_()
     mlp(x_full).pow(2).sum().backward()
-    up = ColumnParallelLinear(mlp.up, entry="none")       # no f inside: the learner's f is the entry
-    down = RowParallelLinear(mlp.down)
+    up = ColumnParallelLinear(mlp.up, group, entry="none")       # no f inside: the learner's f is the entry
+    down = RowParallelLinear(mlp.down, group)
     x_part = x.clone().requires_grad_()
-    down(F.gelu(up(fn(x_part)))).pow(2).sum().backward()
+    down(F.gelu(up(fn(x_part, group)))).pow(2).sum().backward()
     return {"grad": x_part.grad, "expected": x_full.grad}
 
 
+def worker(rank, world_size, fn):
+    """Worker: the probe and the MLP, in groups of 2 and then in one group of all the ranks."""
+    pair = make_groups(rank)
+    members = GROUPS[rank // 2]
+    out = {}
+    for name, group, ranks in (("groups of 2", pair, members), ("one group of 4", dist.group.WORLD,
+                                                                 list(range(world_size)))):
+        out[name] = {"probe": _probe(rank, fn, group, ranks), "mlp": None}
+        if out[name]["probe"]["type"] == "Tensor" and not out[name]["probe"]["forward"]:
+            out[name]["mlp"] = _in_an_mlp(rank, fn, group, ranks)
+    return out
+
+
 def _close(a, b) -> bool:
-    """Equal up to float64 rounding (both workers compute in float64)."""
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+    """Equal up to float64 rounding (both sides computed in float64)."""
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-6, atol=1e-9))
 
 
-def _diagnose(results: list[dict], n: int) -> str | None:
-    where = f"on {n} ranks"
+def _forward_message(results, where) -> str | None:
     r0 = results[0]
-    if r0["type"] != "Tensor":
-        return f"{where}: your function returned a {r0['type']}, not a tensor: return the result of MyF.apply(x)"
-    forward_ok = all(_close(r["y"], r["x"]) for r in results)
-    forward_reduced = all(_close(r["y"], r["x"] * n) for r in results)
-    grads = [r["grad"] for r in results]
-    if forward_reduced and all(_close(g, r["sum"]) for g, r in zip(grads, results)):
-        return (f"{where}: all-reduce done twice: in the forward as well as in the backward (the output is {n}× x). "
-                "f's forward is the identity; the all-reduce belongs in its backward only.")
-    if forward_reduced and all(_close(g, r["own"]) for g, r in zip(grads, results)):
-        return (f"{where}: that is g, not f: all-reduce in the forward, identity in the backward. "
-                "f is the other way round: identity forward, all-reduce of the gradient backward.")
-    if not forward_ok:
-        return (f"{where}: the forward changed x (rank 0 got {r0['y'][:3].tolist()}... for "
-                f"{r0['x'][:3].tolist()}...): f's forward returns x unchanged.")
+    if r0["forward"]:
+        if all(_close(r["y"], r["x sum"]) or _close(r["y"], r["x world sum"]) for r in results):
+            first = ("that is g, not f: all-reduce in the forward, identity in the backward. "
+                     if not any(r["backward"] for r in results) else "")
+            return (f"{where}: {first}your forward ran {r0['forward']} and summed x over the ranks (each rank holds "
+                    "its own x here). f's forward is the identity: it sends nothing; the all-reduce belongs in its "
+                    "backward only.")
+        return (f"{where}: your forward ran collectives {r0['forward']}: f's forward is the identity and sends "
+                "nothing.")
+    if not all(_close(r["y"], r["x"]) for r in results):
+        return (f"{where}: the forward changed x (rank 0 got {r0['y'][:3].tolist()}... for {r0['x'][:3].tolist()}"
+                "...): f's forward returns x unchanged.")
+    return None
+
+
+def _backward_message(results, where) -> str | None:
+    grads, n = [r["grad"] for r in results], results[0]["n"]
     if any(g is None for g in grads):
-        return (f"{where}: no gradient reached x: the output must come from MyF.apply(x) (a Function that returns a "
-                "tensor connected to x), not from x.detach() or a new tensor.")
+        return (f"{where}: no gradient reached x: return the result of MyF.apply(x, group) (a Function whose output "
+                "is connected to x), not x.detach() or a new tensor.")
     if all(_close(g, r["own"]) for g, r in zip(grads, results)):
         return (f"{where}: all-reduce forgotten in backward: each rank's input gradient holds only its own slice's "
-                "contribution. Every rank fed the same x to its slice, so x's gradient is the sum over the ranks: "
-                "dist.all_reduce the gradient in backward.")
+                "contribution. Every rank of the group fed the same x to its slice, so x's gradient is the sum over "
+                "the group: dist.all_reduce the gradient in backward.")
+    if n < WORLD and all(_close(g, r["world sum"]) for g, r in zip(grads, results)):
+        return (f"{where}: the gradient was summed over all {WORLD} ranks, not over the group of {n}: pass "
+                "group=group to dist.all_reduce (save it in forward: ctx.group = group).")
     if all(_close(g, r["sum"] * n) for g, r in zip(grads, results)):
-        return (f"{where}: all-reduce done twice in backward: the gradient is {n}× too large. "
-                "One dist.all_reduce of the gradient is the whole of f's backward.")
+        return (f"{where}: all-reduce done twice in backward: the gradient is {n}× too large. One dist.all_reduce "
+                "of the gradient is the whole of f's backward.")
     if all(_close(g, r["sum"] / n) for g, r in zip(grads, results)):
         return (f"{where}: the gradient was averaged: f's backward sums (dist.all_reduce's default) without dividing "
-                "by the world size; the input's gradient is the sum of the slices' contributions.")
-    if not all(_close(g, r["sum"]) for g, r in zip(grads, results)):
-        bad = next(i for i, (g, r) in enumerate(zip(grads, results)) if not _close(g, r["sum"]))
-        return (f"{where}: rank {bad}'s input gradient is {grads[bad][:3].tolist()}..., expected the sum over ranks "
-                f"{results[bad]['sum'][:3].tolist()}...")
+                "by the group's size; the input's gradient is the sum of the slices' contributions.")
+    bad = next((i for i, (g, r) in enumerate(zip(grads, results)) if not _close(g, r["sum"])), None)
+    if bad is not None:
+        return (f"{where}: rank {bad}'s input gradient is {grads[bad][:3].tolist()}..., expected the sum over its "
+                f"group {results[bad]['sum'][:3].tolist()}...")
+    if results[0]["backward"] != ["all-reduce"]:
+        return (f"{where}: the gradient is right, but your backward ran {results[0]['backward']}: f's backward is "
+                "one all-reduce.")
     return None
 
 
 def check_f(fn):
-    """``fn(x)`` must be the identity forward and all-reduce the gradient backward, on 2 and 4 ranks."""
+    """``fn(x, group)`` must be the identity forward and all-reduce the gradient over ``group`` backward."""
     hint = ("A rank waits in a collective that another rank never calls: every rank must call dist.all_reduce "
             "in backward (no `if rank == 0`).")
-    for n in WORLD_SIZES:
-        results, feedback = run_attempt(probe, n, fn, timeout=20, timeout_hint=hint)
-        if feedback is not None:
-            return feedback
-        message = _diagnose(results, n)
+    results, feedback = run_attempt(worker, WORLD, fn, timeout=30, timeout_hint=hint,
+                                    error_hints={"positional argument": "f takes (x, group): my_f(x, group) "
+                                                 "returns MyF.apply(x, group), and backward returns a gradient "
+                                                 "for each input: (grad, None)",
+                                                 "returned an incorrect number of gradients":
+                                                 "backward returns one gradient per input of forward: (grad, None) "
+                                                 "for (x, group)"})
+    if feedback is not None:
+        return feedback
+    for name in ("groups of 2", "one group of 4"):
+        where = f"on {WORLD} ranks as {name}"
+        probes = [r[name]["probe"] for r in results]
+        if probes[0]["type"] != "Tensor":
+            return wrong(f"{where}: your function returned a {probes[0]['type']}, not a tensor: return the result "
+                         "of MyF.apply(x, group)")
+        message = _forward_message(probes, where) or _backward_message(probes, where)
         if message:
             return wrong(message)
-        results, feedback = run_attempt(in_an_mlp, n, fn, timeout=20, timeout_hint=hint)
-        if feedback is not None:
-            return feedback
-        if not all(_close(r["grad"], r["expected"]) for r in results):
-            return wrong(f"on {n} ranks, your f passes the probe but, at the entry of a column → row MLP, the input "
+        if not all(_close(r[name]["mlp"]["grad"], r[name]["mlp"]["expected"]) for r in results):
+            return wrong(f"{where}: your f passes the probe but, at the entry of a column → row MLP, the input "
                          "gradient differs from the unsplit MLP's: does your backward return the all-reduced "
                          "gradient (and nothing else)?")
-    return passed("your f is the identity forward and sums the gradient over the ranks backward; at the entry of a "
-                  "column → row MLP it gives the unsplit MLP's input gradient, on 2 and 4 ranks")
+    return passed("your f is the identity forward (no collective) and sums the gradient over its group backward (one "
+                  "all-reduce); at the entry of a column → row MLP it gives the unsplit MLP's input gradient, in "
+                  "groups of 2 and in one group of 4")
