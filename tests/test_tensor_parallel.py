@@ -423,3 +423,41 @@ def test_the_cost_model_counts_what_the_layers_send_and_prices_nodes_with_two_le
     assert one["comm"] == 0 and one["efficiency"] == 1
     assert eight["compute"] == pytest.approx(one["compute"] / 8)
     assert eight["efficiency"] == pytest.approx(eight["compute"] / (eight["compute"] + eight["comm"]))
+
+
+def test_comm_over_compute_is_the_cost_model_without_alpha_and_attention_scores():
+    from course_lib.tensor_parallel import cost
+    h, s = 12288, 2048
+    for t in (2, 4, 8):
+        full = cost.layer_time(1, s, h, t, intra=(0.0, cost.NVLINK[1]))
+        matmuls = 72 * s * h * h / t / cost.H100_BF16_DENSE_FLOPS         # layer_flops without the scores
+        assert full["comm"] / matmuls == pytest.approx(cost.comm_over_compute(t, h), rel=1e-9)
+    assert cost.comm_over_compute(8, h) == pytest.approx(2 / 9 * 7 * 989e12 / (h * 450e9))
+
+
+def test_the_efficiency_at_40_percent_of_peak():
+    from course_lib.tensor_parallel import cost
+    slow = {t: cost.layer_time(1, 2048, 12288, t, flops_per_s=0.4 * cost.H100_BF16_DENSE_FLOPS)["efficiency"]
+            for t in (8, 16)}
+    assert round(slow[8], 2) == 0.89 and round(slow[16], 2) == 0.72
+
+
+def test_recomputation_repeats_the_forward_all_reduces():
+    from course_lib.models import TransformerConfig
+    from course_lib.tensor_parallel import comm
+    logs = run(comm.collectives_worker, 2, [("block", "scratch", False)], TransformerConfig(), 2, 0,
+               [("block", "scratch", False, "full"), ("block", "scratch", False, "early stop")],
+               backend="gloo", show_output=False)[0]
+    phases = {k: [p for _, _, p in v] for k, v in logs.items()}
+    assert phases["block", "scratch", False].count("backward") == 2
+    assert phases["block", "scratch", False, "full"].count("backward") == 4        # 2 recomputed + f's 2
+    assert phases["block", "scratch", False, "early stop"].count("backward") == 3  # the last g is skipped
+
+
+def test_the_notebook_11_pictures_name_what_they_draw():
+    from course_lib.viz import megatron
+    texts = [t.get_text() for t in megatron.draw_megatron_block(2).axes[0].texts]
+    assert texts.count("f") == 2 and texts.count("g") == 2 and "fwd: identity\nbwd: all-reduce" in texts
+    fig = megatron.draw_tp_efficiency({"peak": {1: 1.0, 8: 0.76, 16: 0.5}}, 8)
+    assert any("across nodes" in t.get_text() for t in fig.axes[0].texts)
+    assert [line.get_label() for line in fig.axes[0].get_lines()][0] == "peak"

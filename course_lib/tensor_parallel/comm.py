@@ -25,13 +25,19 @@ from ..comm.record import CollectiveLog  # notebook 11 records with comm.Collect
 
 
 def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], cfg=None,
-                       batch: int = 2, seed: int = 0) -> dict:
+                       batch: int = 2, seed: int = 0, recompute: tuple = ()) -> dict:
     """For each ``(kind, layout, sequence_parallel)`` (see :mod:`.check`): the collectives of one forward, one
     backward and the gradients' synchronisation of the split block, as ``[(kind, bytes, phase), ...]``.
 
     The last phase, ``"gradient sync"``, is sequence parallelism's all-reduce of the partial gradients: the
     from-scratch layers' :func:`~.sequence.sync_sequence_parallel_grads`; DTensor's deferred reduction of its
     ``Partial`` gradients, asked for by :func:`.dtensor.local_grad` (as an optimizer's step would).
+
+    ``recompute``: more cases, each ``(kind, layout, sequence_parallel, mode)``, run under activation
+    recomputation (``torch.utils.checkpoint``, non-reentrant): the backward pass runs the forward again, and with
+    it the forward's collectives. ``mode="full"`` recomputes the whole forward, as Megatron-LM's full recomputation
+    does; ``mode="early stop"`` is PyTorch's default, which stops recomputing once every saved tensor is back, so
+    it skips the block's last all-reduce (nothing saved depends on it).
     """
     from .. import hardware
     from ..models.transformer import TransformerConfig
@@ -46,12 +52,18 @@ def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, b
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (world_size,))
     out = {}
-    for kind, layout, sp in cases:
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    for kind, layout, sp, *mode in [*cases, *recompute]:
         part = split(kind, unsplit(kind, cfg, seed).to(device), layout, sp, mesh)
         x = torch.randn(batch, cfg.seq_len // (world_size if sp else 1), cfg.dim, device=device, requires_grad=True)
         log = CollectiveLog()
         with log:
-            y = D.local(part(x))
+            if mode:
+                with set_checkpoint_early_stop(mode[0] == "early stop"):
+                    y = D.local(checkpoint(part, x, use_reentrant=False))
+            else:
+                y = D.local(part(x))
             with log.during("backward"):
                 y.sum().backward()
             with log.during("gradient sync"):
@@ -60,5 +72,5 @@ def collectives_worker(rank: int, world_size: int, cases: list[tuple[str, str, b
                 else:
                     for p in part.parameters():
                         D.local_grad(p)
-        out[kind, layout, sp] = [(r.kind, r.nbytes, r.phase) for r in log.records]
+        out[(kind, layout, sp, *mode)] = [(r.kind, r.nbytes, r.phase) for r in log.records]
     return out

@@ -65,3 +65,15 @@ def layer_time(batch: int, seq: int, hidden: int, tp: int, flops_per_s: float = 
                                                                                              value_bytes))
     return {"compute": compute, "comm": comm if tp > 1 else 0.0,
             "efficiency": compute / (compute + (comm if tp > 1 else 0.0))}
+
+
+def comm_over_compute(tp: int, hidden: int, flops_per_s: float = H100_BF16_DENSE_FLOPS,
+                      bytes_per_s: float = 1 / NVLINK[1]) -> float:
+    """Communication over compute for one layer on ``tp`` ranks, in closed form: (2/9)·(t−1)·F/(h·B).
+
+    Four ring all-reduces of 2·s·b·h bytes (bf16) send 4·2(t−1)/t·2sbh bytes per rank; the matrix products do
+    72·s·b·h²/t FLOPs per rank (:func:`layer_flops` without the attention scores). Their ratio leaves out α and
+    the scores, and no longer depends on the sequence or the batch: only the degree t, the width h, and the ratio
+    of the GPU's FLOP rate F to the link's bandwidth B.
+    """
+    return 2 / 9 * (tp - 1) * flops_per_s / (hidden * bytes_per_s)
