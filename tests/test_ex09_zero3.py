@@ -1,0 +1,71 @@
+"""Notebook 09's ZeRO-3 layer exercise: the check passes the reference and names each usual mistake."""
+import torch
+import torch.distributed as dist
+
+from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG
+from course_lib.exercises import ex09_zero3 as ex
+
+
+class Stub(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        raise NotImplementedError
+
+
+def variant(keep_weight=False, regather=True, all_reduce=False, divide=True, grad_x=True, whole_grad=False):
+    """The reference with one usual mistake switched on."""
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, shard):
+            weight, bias = ex.unflatten(ex.gather(shard))
+            ctx.save_for_backward(x, shard, weight) if keep_weight else ctx.save_for_backward(x, shard)
+            return x @ weight.T + bias
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            x, shard, *kept = ctx.saved_tensors
+            weight = ex.unflatten(ex.gather(shard))[0] if regather else kept[0]
+            grad_flat = torch.cat([(grad_y.T @ x).reshape(-1), grad_y.sum(0)])
+            n = dist.get_world_size()
+            if whole_grad:
+                return grad_y @ weight, grad_flat
+            if all_reduce:
+                dist.all_reduce(grad_flat)
+                grad_shard = grad_flat.chunk(n)[dist.get_rank()].clone()
+            else:
+                grad_shard = torch.empty_like(shard)
+                ex.reduce_scatter_single(grad_shard, grad_flat)
+            return (grad_y @ weight if grad_x else None), (grad_shard / n if divide else grad_shard)
+    return Wrong
+
+
+def test_the_reference_passes_and_the_stub_is_not_attempted(no_leftovers):
+    assert ex.check_zero3(ex.Zero3Linear).status == PASSED
+    fb = ex.check_zero3(Stub)
+    assert fb.status == NOT_ATTEMPTED and "not attempted yet" in repr(fb)
+
+
+def test_each_usual_mistake_is_named(no_leftovers):
+    cases = [(variant(keep_weight=True, regather=False), "backward issued no all-gather"),
+             (variant(keep_weight=True), "never freed: after forward, 3 layers' whole parameters"),
+             (variant(all_reduce=True), "backward all-reduces the whole gradient"),
+             (variant(divide=False), "times too large"),
+             (variant(grad_x=False), "got no gradient"),
+             (variant(whole_grad=True), "grad_shard has the shard's size")]
+    for fn, phrase in cases:
+        fb = ex.check_zero3(fn)
+        assert fb.status == WRONG and phrase in fb.message, (phrase, fb)
+
+
+def test_a_function_that_is_not_an_autograd_function_is_explained():
+    fb = ex.check_zero3(lambda x, shard: x)
+    assert fb.status == WRONG and "autograd Function class" in fb.message
+
+
+def test_without_division_the_weights_really_differ():
+    right, too_big = ex.reference(2), ex.reference(2, gradient_scale=2)
+    assert max((a - b).abs().max().item() for a, b in zip(right, too_big)) > 1e-3
