@@ -56,3 +56,28 @@ def test_in_flight_counts_gathers_not_yet_reduced():
                Collective("reduce-scatter", 8, "backward")]
     assert fsdp2_costs.in_flight(records) == [1, 2, 1, 0]
     assert fsdp2_costs.in_flight(records, "forward") == [1]
+
+
+def _accumulate_four(rank, world_size):
+    return {m: fsdp2_costs.accumulation_worker(rank, world_size, 16, m, micro_batches=4)
+            for m in ("sync", "no sync", "no sync, keep weights")}
+
+
+def test_exercise_2_four_micro_batches():
+    r = run(_accumulate_four, 2, backend="gloo", show_output=False)[0]
+    assert [(v["all-gathers"], v["reduce-scatters"]) for v in r.values()] == [(56, 28), (56, 7), (35, 7)]
+
+
+def test_exercise_1_saved_on_3_ranks_loads_on_4(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from course_lib.zero import fsdp2, training
+    model_fn = functools.partial(measure.deep_mlp, 256, 3)
+    path = str(tmp_path / "checkpoint")
+    saved = run(fsdp2.dcp_save_worker, 3, path, model_fn, backend="gloo", show_output=False)
+    loaded = run(fsdp2.dcp_load_worker, 4, path, model_fn, backend="gloo", show_output=False)
+    assert all(r["shapes"]["0.weight"] == ((256, 256), (64, 256)) for r in loaded)
+    assert all(training.max_difference(r["weights"], saved[0]["weights"]) == 0.0 for r in loaded)
+    chunks = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["model.0.weight"].chunks
+    assert sorted(c.offsets[0] for c in chunks) == [0, 86, 172]
+    assert sorted(c.sizes[0] for c in chunks) == [84, 86, 86]
