@@ -36,7 +36,7 @@ def main():
     a = p.parse_args()
     print(hardware.summary().splitlines()[0])
     cfg = TransformerConfig(seq_len=a.seq, dim=a.dim, heads=a.heads, hidden=4 * a.dim, layers=a.layers)
-    policies = ("none", "full", "selective")
+    policies = ("none", "full", "matmuls")
     r = run(step_time_worker, 1, cfg, a.batch, policies, a.rounds, a.steps, backend=hardware.default_backend(1),
             threads=1, show_output=False, timeout=900)[0]
     print(f"transformer: {a.layers} layers, width {a.dim}, {a.heads} heads, sequence {a.seq}, batch {a.batch}; "

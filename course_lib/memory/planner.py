@@ -30,7 +30,7 @@ Everything is assembled from the pieces the notebooks measured:
   tensor-parallel traffic sits on the critical path (notebook 11).
 
 What it leaves out, and says so: temporary buffers (activation gradients, the allocator's fragmentation: hence
-``fits`` keeps 10% spare), the CUDA context, pipeline parallelism, and selective recomputation (notebook 13
+``fits`` keeps 10% spare), the CUDA context, pipeline parallelism, and operator-level recomputation (notebook 13
 measures it between the two). Activations are counted in the training precision on a GPU (16-bit values,
 fp32 LayerNorm statistics, 1-byte dropout masks); autocast's real activations are somewhat larger (notebook 13).
 """

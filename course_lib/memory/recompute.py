@@ -4,16 +4,24 @@
 input*; when backward reaches the block it runs the block's forward again (the same random numbers: dropout's
 RNG state is saved) to rebuild what backward needs. Memory falls from a whole layer's activations to one
 tensor per layer; the price is one more forward of every checkpointed layer (about a third more compute:
-backward costs about twice the forward). The gradients are identical, bit for bit.
+backward costs about twice the forward). The gradients are identical, bit for bit. Random numbers: the
+checkpoint restores the *global* RNG state before recomputing; a per-rank dropout generator of one's own
+(notebook 12's) must be saved and restored the same way, or the recomputed masks differ.
 
-**Selective** recomputation keeps the outputs of some operators and recomputes only the rest:
+**Operator-level** (PyTorch: "selective activation checkpointing") recomputation keeps the outputs of some
+operators and recomputes only the rest:
 ``create_selective_checkpoint_contexts(policy)`` asks ``policy`` about every operator the forward runs
 (``MUST_SAVE`` or ``PREFER_RECOMPUTE``). Here a policy is a plain predicate on the operator's name
 (``"mm"``, ``"addmm"``, ``"bmm"``, ``"gelu"``, ``"_softmax"``, ``"native_layer_norm"``...):
 
 * ``"none"``: no checkpointing;
-* ``"selective"``: keep every matrix product (``mm``, ``addmm``, ``bmm``: where the FLOPs are), recompute
-  the cheap operators (LayerNorm, softmax, GELU, masks, copies);
+* ``"matmuls"``: keep every matrix product (``mm``, ``addmm``, ``bmm``: where the FLOPs are), recompute
+  the cheap operators (LayerNorm, softmax, GELU, masks, copies). Not Korthikanti et al.'s *selective
+  recomputation*, which is nearly its opposite: it recomputes the attention core (``q @ kᵀ``, softmax,
+  dropout, ``probs @ v``: large ``s²`` tensors, few FLOPs) and keeps the Linear layers' outputs (notebook 13's
+  exercise arrives there). ``torch.compile`` can choose for itself: ``torch._functorch.config.
+  activation_memory_budget`` (0 to 1) has its partitioner recompute the cheapest operators until the
+  activations fit that fraction;
 * ``"full"``: keep nothing but each block's input (whole-layer checkpointing);
 * or any ``keep(op_name) -> bool`` of your own (notebook 13's exercise).
 
@@ -39,13 +47,13 @@ MATMULS = ("mm", "addmm", "bmm")
 
 
 def keep_matmuls(op_name: str) -> bool:
-    """The ``"selective"`` policy: keep the output of every matrix product, recompute everything else."""
+    """The ``"matmuls"`` policy: keep the output of every matrix product, recompute everything else."""
     return op_name in MATMULS
 
 
 POLICIES: dict[str, Callable[[str], bool] | None] = {
     "none": None,                      # not checkpointed at all
-    "selective": keep_matmuls,
+    "matmuls": keep_matmuls,
     "full": lambda op_name: False,     # keep nothing: whole-layer checkpointing
 }
 
@@ -118,9 +126,10 @@ def measure_policy(model: nn.Module, policy, tokens: torch.Tensor, targets: torc
 
 
 def compare_policies(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                     policies=("none", "selective", "full")) -> dict:
+                     policies=("none", "matmuls", "full")) -> dict:
     """For each policy: bytes held, their fraction of no checkpointing's, the FLOPs recomputed as a fraction of
-    the forward's, and whether the gradients equal no checkpointing's bit for bit."""
+    the forward's and (``extra_compute``) of a whole step's (forward + backward, matrix products),
+    and whether the gradients equal no checkpointing's bit for bit."""
     base = measure_policy(model, "none", tokens, targets)
     out = {}
     for p in policies:
@@ -129,6 +138,8 @@ def compare_policies(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
         out[name] = {"held": r["held"], "held_fraction": r["held"] / base["held"],
                      "recomputed_flops": r["backward_flops"] - base["backward_flops"],
                      "recomputed_fraction": (r["backward_flops"] - base["backward_flops"]) / base["forward_flops"],
+                     "extra_compute": (r["backward_flops"] - base["backward_flops"])
+                     / (base["forward_flops"] + base["backward_flops"]),
                      "grads_identical": all(torch.equal(a, b) for a, b in zip(r["grads"], base["grads"]))}
     return out
 
