@@ -443,3 +443,40 @@ def test_sharded_optimizer_under_ddp_sends_one_and_a_half_times_ddp_and_stage_1_
         assert sorted({op for op, _ in log["sharded_optimizer"]}) == ["all-gather", "all-reduce"]
         assert sorted({op for op, _ in log[1]}) == ["all-gather", "reduce-scatter"]
         assert sent["sharded_optimizer"] == 1.5 * sent["ddp"] and sent[1] == sent["ddp"]
+
+
+def test_a_model_built_on_meta_is_sharded_made_slice_by_slice_and_equals_one_process(no_leftovers):
+    from course_lib.zero import meta_init
+    for world_size in (2, 3):
+        reference = meta_init.meta_reference(world_size)
+        for r in run(meta_init.meta_worker, world_size, backend="gloo", show_output=False):
+            assert T.max_difference(r["state"], reference) < 1e-5
+            assert r["largest tensor made"] <= r["largest parameter"] < r["whole model"]
+            assert r["parameter bytes held"] <= r["whole model"] / world_size + 4 * 16      # 1/N, plus rounding
+
+
+def test_meta_init_is_the_same_whoever_makes_the_slice():
+    from course_lib.zero import meta_init
+    init = meta_init.block_init()
+    whole = init(3, torch.Size([30, 16]), 0, 480)
+    assert torch.equal(torch.cat([init(3, torch.Size([30, 16]), lo, min(lo + 37, 480)) for lo in range(0, 480, 37)]),
+                       whole)
+    assert not torch.equal(whole, init(4, torch.Size([30, 16]), 0, 480))
+
+
+def test_a_meta_model_without_init_is_a_clear_error(no_leftovers):
+    def worker(rank, world_size):
+        with torch.device("meta"):
+            model = T.build("mlp")
+        fully_shard(model)
+    with pytest.raises(RankError, match="pass init="):
+        run(worker, 2, backend="gloo", show_output=False)
+
+
+def test_the_zero3_lifecycle_strip_gathers_twice_and_frees_after_each_use():
+    phases = sharding.zero3_lifecycle()
+    assert [p for p, collective, _ in phases if collective] == ["all-gather", "all-gather", "reduce-scatter"]
+    assert ["whole weight" in held for _, _, held in phases] == [True, True, False, True, True, True, False]
+    assert all("weight shard" in held for _, _, held in phases)
+    assert phases[-1][2] == {"weight shard", "gradient shard"}
+    assert len(sharding.draw_zero3_lifecycle(4).axes[0].patches) == 7 * 4 + 3

@@ -101,3 +101,44 @@ def drawn_labels(fig) -> list[list[str]]:
     """The labels drawn in each panel, left to right then top to bottom (what the tests compare)."""
     return [[t.get_text() for t in sorted(ax.texts, key=lambda t: (-t.get_position()[1], t.get_position()[0]))]
             for ax in fig.axes]
+
+
+LIFECYCLE_ROWS = ("weight shard", "whole weight", "whole gradient", "gradient shard")
+
+
+def zero3_lifecycle() -> list[tuple[str, bool, set[str]]]:
+    """One ZeRO-3 layer through a training step: ``[(phase, is it a collective, the rows held after it), ...]``
+    (rows from :data:`LIFECYCLE_ROWS`). The whole weight exists only between a gather and the next free."""
+    shard, whole, grad, grad_shard = LIFECYCLE_ROWS
+    return [("all-gather", True, {shard, whole}), ("forward", False, {shard, whole}), ("free", False, {shard}),
+            ("all-gather", True, {shard, whole}), ("backward", False, {shard, whole, grad}),
+            ("reduce-scatter", True, {shard, whole, grad, grad_shard}), ("free", False, {shard, grad_shard})]
+
+
+def draw_zero3_lifecycle(world_size: int = 4):
+    """The strip of :func:`zero3_lifecycle`: phases left to right, what one rank holds in each row; the
+    collectives' columns framed. Whole tensors are drawn N cells wide, shards one cell."""
+    phases = zero3_lifecycle()
+    fig, ax = plt.subplots(figsize=(1.55 * len(phases) + 1.6, 2.6))
+    for col, (phase, collective, held) in enumerate(phases):
+        x = col * 1.5
+        for row, name in enumerate(LIFECYCLE_ROWS):
+            y = len(LIFECYCLE_ROWS) - 1 - row
+            width = 1.2 if name.startswith("whole") else 1.2 / world_size
+            ax.add_patch(Rectangle((x, y + 0.15), width, 0.7, facecolor=rank_color(0) if name in held else "white",
+                                   alpha=0.35 if "gradient" in name else 0.75, edgecolor="0.7", lw=0.6))
+        if collective:
+            ax.add_patch(Rectangle((x - 0.1, -0.1), 1.4, len(LIFECYCLE_ROWS) + 0.2, fill=False, lw=1.6,
+                                   edgecolor="0.2"))
+        ax.text(x + 0.6, len(LIFECYCLE_ROWS) + 0.25, phase, ha="center", fontsize=9,
+                fontweight="bold" if collective else "normal")
+    ax.set_yticks([len(LIFECYCLE_ROWS) - 1 - r + 0.5 for r in range(len(LIFECYCLE_ROWS))], LIFECYCLE_ROWS)
+    ax.set_xticks([])
+    ax.set_xlim(-0.3, 1.5 * len(phases))
+    ax.set_ylim(-0.2, len(LIFECYCLE_ROWS) + 0.7)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(f"one ZeRO-3 layer on one rank of {world_size}: collectives framed; a shard is 1/{world_size} "
+                 "of the whole", fontsize=10)
+    fig.tight_layout()
+    return fig

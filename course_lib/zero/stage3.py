@@ -39,15 +39,20 @@ from .flat import FlatGroup, owned_parameters, require_process_group
 class ShardedLayer:
     """One layer's parameters: this rank's shards, and the whole tensors they are gathered into."""
 
-    def __init__(self, owner: nn.Module, own: list[tuple[str, nn.Parameter]], compute_dtype, state: Zero3State):
+    def __init__(self, owner: nn.Module, own: list[tuple[str, nn.Parameter]], compute_dtype, state: Zero3State,
+                 first_index: int = 0):
         self.names = [name for name, _ in own]
         self.group = FlatGroup([p.shape for _, p in own])
         self.state = state
         self.shards, self.full = [], []
         for i, (_, p) in enumerate(own):
             lo, hi = self.group.bounds(i)
-            self.shards.append(nn.Parameter(p.detach().reshape(-1)[lo:hi].clone(), requires_grad=p.requires_grad))
-            full = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=p.device)
+            if p.is_meta:                                # meta-device model: make this rank's slice only
+                data = state.init(first_index + i, p.shape, lo, hi).to(device=state.device, dtype=p.dtype)
+            else:
+                data = p.detach().reshape(-1)[lo:hi].clone()
+            self.shards.append(nn.Parameter(data, requires_grad=p.requires_grad))
+            full = torch.empty(p.shape, dtype=compute_dtype or p.dtype, device=data.device)
             full.requires_grad_(p.requires_grad)
             full.untyped_storage().resize_(0)            # no memory until gathered
             self.full.append(full)
@@ -106,15 +111,19 @@ class ShardedLayer:
 class Zero3State:
     """What :func:`fully_shard` attaches to the model (``model.zero3``): its layers and the hooks' logic."""
 
-    def __init__(self, model: nn.Module, compute_dtype):
-        self.compute_dtype = compute_dtype
+    def __init__(self, model: nn.Module, compute_dtype, init=None, device=None):
+        self.compute_dtype, self.init, self.device = compute_dtype, init, torch.device(device or "cpu")
         self.layers: list[ShardedLayer] = []
         self.of_module: dict[nn.Module, list[ShardedLayer]] = {}
         self.callback_queued = False
         self.gathered_bytes = self.peak_gathered_bytes = 0
         layer_of: dict[int, tuple[ShardedLayer, int]] = {}
+        index = 0                                        # the parameters' order, the same on every rank
         for owner, own in owned_parameters(model):
-            layer = ShardedLayer(owner, own, compute_dtype, self)
+            if init is None and any(p.is_meta for _, p in own):
+                raise ValueError("the model is on the meta device: pass init=, which makes each rank's slice")
+            layer = ShardedLayer(owner, own, compute_dtype, self, first_index=index)
+            index += len(own)
             self.layers.append(layer)
             layer_of.update({id(p): (layer, i) for i, (_, p) in enumerate(own)})
         for module in model.modules():                   # every module using a parameter, tied ones included
@@ -187,12 +196,17 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def fully_shard(module: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Module:
+def fully_shard(module: nn.Module, compute_dtype: torch.dtype | None = None, init=None, device=None) -> nn.Module:
     """Shard ``module``'s parameters over the ranks (ZeRO-3), in place; returns ``module``.
 
     Build the optimizer afterwards, on ``module.parameters()`` (the shards). Rank 0's buffers are
     broadcast so that every rank starts with the same. See the module's docstring for what happens.
+    A model built on the ``meta`` device (shapes, no memory) needs ``init(index, shape, lo, hi)``: the elements
+    ``[lo, hi)`` of parameter number ``index`` flattened (:mod:`.meta_init`); the shards are made on ``device``.
     """
+    if any(b.is_meta for b in module.buffers()):
+        raise ValueError("materialise the buffers first (module.to_empty, then fill them): fully_shard shards "
+                         "parameters only")
     require_process_group("fully_shard")
     if hasattr(module, "zero3"):
         raise ValueError("this module is sharded already (fully_shard was called on it before)")
@@ -201,7 +215,7 @@ def fully_shard(module: nn.Module, compute_dtype: torch.dtype | None = None) -> 
     with torch.no_grad():
         for b in module.buffers():
             dist.broadcast(b, src=0)
-    state = Zero3State(module, compute_dtype)
+    state = Zero3State(module, compute_dtype, init, device)
     for m in state.of_module:
         m.register_forward_pre_hook(state.pre_forward)
         m.register_forward_hook(state.post_forward)
