@@ -170,3 +170,35 @@ def test_fused_attention_saves_no_scores_and_equals_its_formula(b, s, h, a, f, d
         torch.testing.assert_close(fused(x), block(x))
     with pytest.raises(ValueError, match="attention must be"):
         block_activation_bytes(b, s, h, a, f, attention="flash")
+
+
+def test_memory_curve_rises_through_forward_falls_through_backward_and_ends_with_the_gradients():
+    from course_lib.memory.recompute import loss_fn
+    from course_lib.memory.timeline import memory_curve
+    cfg = TransformerConfig(seq_len=32, layers=2)
+    model, tokens = transformer(cfg), torch.randint(32, (2, 32))
+    c = memory_curve(loss_fn, model, tokens, tokens)
+    _, held = held_bytes(loss_fn, model, tokens, tokens)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert held.total <= c["at_turn"] <= c["peak"] and c["peak_phase"] == "forward"
+    assert params <= c["after"] < params + 64                  # gradients, and the loss scalar
+    full = memory_curve(loss_fn, with_recomputation(model, "full"), tokens, tokens)
+    assert full["at_turn"] < c["at_turn"] / 4 and full["peak"] < c["peak"] and full["peak_phase"] == "backward"
+
+
+def test_chunked_cross_entropy_equals_the_full_loss_and_never_holds_all_logits():
+    from course_lib.memory.timeline import chunked_cross_entropy, memory_curve
+    tokens, h, vocab = 256, 16, 2048
+    hidden = torch.randn(tokens, h, requires_grad=True)
+    weight = (0.1 * torch.randn(vocab, h)).requires_grad_()
+    targets = torch.randint(vocab, (tokens,))
+    logits_bytes = tokens * vocab * 4
+    full = memory_curve(lambda: torch.nn.functional.cross_entropy(hidden @ weight.t(), targets))
+    g = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    chunked = memory_curve(lambda: chunked_cross_entropy(hidden, weight, targets, chunks=8))
+    assert full["at_turn"] >= 2 * logits_bytes and chunked["at_turn"] < 64       # only the loss scalar
+    assert chunked["peak"] < full["peak"] / 4
+    torch.testing.assert_close((hidden.grad, weight.grad), g)
+    with pytest.raises(ValueError, match="chunks"):
+        chunked_cross_entropy(hidden, weight, targets, chunks=0)
