@@ -2,7 +2,10 @@
 
 A batch of B sequences split into k micro-batches of B/k, each loss divided by k and backpropagated in turn
 (the gradients add up in ``.grad``), gives the gradient of the whole batch: one optimizer step, the same
-result. What changes:
+result, *when every micro-batch and every rank holds the same number of loss tokens*. With padding,
+``ignore_index`` or packed documents they differ, and the mean of per-micro-batch means is not the mean over
+all tokens: divide each micro-batch's summed loss by the loss tokens of all micro-batches on all ranks
+(:func:`masked_accumulation_worker`). What changes:
 
 * **memory**: only one micro-batch's activations are alive at a time, so activation bytes fall k-fold (the
   weights, gradients and optimizer states do not change);
@@ -24,11 +27,12 @@ from .activations import held_bytes
 
 
 def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits=(1, 2, 4, 8), rounds: int = 3,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, masked: bool = False) -> dict:
     """For each k in ``splits``: the rank's ``batch // world_size`` sequences as k micro-batches under DDP.
     Returns per k: activation bytes held by one micro-batch's forward, the largest difference of the
     accumulated gradients from k = 1's, the bytes all-reduced per step with and without ``no_sync``, and the
-    median seconds per step (the k's alternate, round after round)."""
+    median seconds per step (the k's alternate, round after round). ``masked``: also
+    :func:`masked_accumulation_worker`'s result, under ``"masked"`` (one launch for both)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -83,4 +87,61 @@ def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits
             out[k]["seconds"].append(time.perf_counter() - t0)
     for k in splits:
         out[k]["median_seconds"] = statistics.median(out[k].pop("seconds"))
+    if masked:
+        out["masked"] = masked_accumulation_worker(rank, world_size, cfg, seed=seed)
+    return out
+
+
+def masked_targets(cfg, n: int, seed: int = 0):
+    """``n`` sequences whose targets are masked (``-100``, cross-entropy's ``ignore_index``) from a random point on:
+    padding, as in a batch of documents of different lengths. Sequence ``i`` keeps between 1 and all targets."""
+    import torch
+
+    from ..data import make_token_dataset
+    x, y = make_token_dataset(n, cfg.seq_len, cfg.vocab, seed=seed).tensors
+    g = torch.Generator().manual_seed(seed + 7)
+    keep = torch.randint(1, cfg.seq_len + 1, (n,), generator=g)
+    y = y.masked_fill(torch.arange(cfg.seq_len) >= keep[:, None], -100)
+    return x, y
+
+
+def masked_accumulation_worker(rank: int, world_size: int, cfg, batch: int = 8, k: int = 2, seed: int = 0) -> dict:
+    """Gradient accumulation with masked targets: ``batch`` sequences over ``world_size`` ranks, each rank's share
+    in ``k`` micro-batches, against one process on the whole batch (the mean over every loss token). Two ways to
+    normalise: ``"per micro-batch mean"`` (each micro-batch's mean loss / k, gradients averaged over ranks, what
+    ``lm_loss(...) / k`` does) and ``"global token count"`` (each micro-batch's *summed* loss divided by the loss
+    tokens of all micro-batches on all ranks, found with one all-reduce; gradients summed over ranks).
+    Returns each one's largest gradient difference from one process, relative to the largest gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..models.transformer import transformer
+
+    x, y = masked_targets(cfg, batch, seed)
+    per_rank = batch // world_size
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def loss_sum(model, xb, yb):
+        logits = model(xb)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+
+    def grads(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    one = transformer(cfg, seed=seed)
+    (loss_sum(one, x, y) / (y != -100).sum()).backward()         # one process: the mean over every loss token
+    exact = grads(one)
+    out = {"tokens per micro-batch": [int((yb != -100).sum()) for yb in y[mine].chunk(k)]}
+    for way in ("per micro-batch mean", "global token count"):
+        model = transformer(cfg, seed=seed)
+        total = torch.tensor(float((y[mine] != -100).sum()))
+        dist.all_reduce(total)                                    # loss tokens on every rank, all micro-batches
+        for xb, yb in zip(x[mine].chunk(k), y[mine].chunk(k)):
+            s = loss_sum(model, xb, yb)
+            (s / (yb != -100).sum() / k if way == "per micro-batch mean" else s / total).backward()
+        g = grads(model)
+        dist.all_reduce(g)                                        # what DDP does: sum, then (mean) divide by W
+        g = g / world_size if way == "per micro-batch mean" else g
+        out[way] = ((g - exact).abs().max() / exact.abs().max()).item()
     return out

@@ -17,7 +17,8 @@ FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 
 
 def cpu_features() -> dict:
-    """PyTorch's CPU capability (``"AVX512"``, ``"AVX2"``...) and which 16-bit instructions the CPU has (Linux)."""
+    """PyTorch's CPU capability (``"AVX512"``, ``"AVX2"``...) and which 16-bit instructions the CPU has (Linux's
+    ``/proc/cpuinfo``; elsewhere ``"native bf16"`` and ``"native fp16"`` are ``None``: unknown)."""
     info = Path("/proc/cpuinfo")
     flags = set()
     if info.is_file():
@@ -27,9 +28,15 @@ def cpu_features() -> dict:
                 break
     out = {"capability": torch.backends.cpu.get_cpu_capability(), "flags known": bool(flags)}
     out.update({f: f in flags for f in FLAGS})
-    out["native bf16"] = out["avx512_bf16"] or out["amx_bf16"]
-    out["native fp16"] = out["avx512_fp16"] or out["amx_fp16"]
+    # no flags read (ARM, macOS, Windows): unknown, not "absent"
+    out["native bf16"] = (out["avx512_bf16"] or out["amx_bf16"]) if flags else None
+    out["native fp16"] = (out["avx512_fp16"] or out["amx_fp16"]) if flags else None
     return out
+
+
+def describe(native: bool | None) -> str:
+    """``"native"``, ``"emulated"`` or, where the CPU's flags could not be read, ``"unknown"``."""
+    return "unknown" if native is None else "native" if native else "emulated"
 
 
 def matmul_worker(rank: int, world_size: int, size: int = 512, rounds: int = 30, sample_s: float = 0.002,
