@@ -180,7 +180,7 @@ def test_memory_curve_rises_through_forward_falls_through_backward_and_ends_with
     c = memory_curve(loss_fn, model, tokens, tokens)
     _, held = held_bytes(loss_fn, model, tokens, tokens)
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert held.total <= c["at_turn"] <= c["peak"] and c["peak_phase"] == "forward"
+    assert held.total <= c["at_turn"] <= c["peak"]
     assert params <= c["after"] < params + 64                  # gradients, and the loss scalar
     full = memory_curve(loss_fn, with_recomputation(model, "full"), tokens, tokens)
     assert full["at_turn"] < c["at_turn"] / 4 and full["peak"] < c["peak"] and full["peak_phase"] == "backward"
