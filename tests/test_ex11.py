@@ -153,3 +153,47 @@ def test_the_parallel_mlp_stub_is_not_attempted():
 def test_parallel_mlp_mistakes_are_named(kwargs, phrase):
     fb = ex11.check_parallel_mlp(*make_layers(**kwargs))
     assert fb.status == WRONG and phrase in fb.message, fb
+
+
+class SolutionG(torch.autograd.Function):
+    """End exercise 1's solution, as the notebook prints it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GReducingTwice(SolutionG):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return SolutionG.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _row_with(g_apply):
+    _, Row = make_layers()
+
+    class RowWithG(Row):
+        def forward(self, x):
+            return g_apply(F.linear(x, self.weight), self.group) + self.bias
+
+    return RowWithG
+
+
+def test_end_exercise_1_the_solutions_g_passes_and_a_g_reducing_backward_fails():
+    Column, _ = make_layers()
+    assert ex11.check_parallel_mlp(Column, _row_with(SolutionG.apply)).status == PASSED
+    fb = ex11.check_parallel_mlp(Column, _row_with(GReducingTwice.apply))
+    assert fb.status == WRONG and "the input's gradient differs" in fb.message, fb
