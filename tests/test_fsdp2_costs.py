@@ -81,3 +81,15 @@ def test_exercise_1_saved_on_3_ranks_loads_on_4(tmp_path):
     chunks = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["model.0.weight"].chunks
     assert sorted(c.offsets[0] for c in chunks) == [0, 86, 172]
     assert sorted(c.sizes[0] for c in chunks) == [84, 86, 86]
+
+
+def test_hsdp_on_a_2x2_mesh_equals_one_process():
+    from course_lib.zero import training
+    results = run(fsdp2_costs.hsdp_worker, 4, backend="gloo", show_output=False)
+    reference = fsdp2_costs.hsdp_reference(4)
+    whole = sum(v.numel() * 4 for v in reference.values())
+    for r in results:
+        assert training.max_difference(r["weights"], reference) < 1e-6
+        assert r["placements"] == "(Replicate(), Shard(dim=0))" and r["local shape"] == (16, 32)
+        assert (r["reduce-scatters"], r["all-reduces"]) == (4, 4)                 # 3 blocks and the root, each
+        assert (r["reduce-scatter bytes"], r["all-reduce bytes"]) == (whole, whole // 2)   # across: only a shard

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..comm.record import CollectiveLog
 from ..hardware import rank_device
-from .fsdp2 import apply_fsdp2, force_sum_on_gloo, fsdp_units, unsharded_bytes
+from .fsdp2 import apply_fsdp2, force_sum_on_gloo, fsdp2_full_state_dict, fsdp_units, unsharded_bytes
 
 
 class Block(nn.Module):
@@ -192,3 +192,47 @@ def meta_init_worker(rank: int, world_size: int, width: int, depth: int) -> dict
             "local shape": tuple(weight.to_local().shape), "device": str(weight.to_local().device),
             "finite": all(bool(p.to_local().isfinite().all()) for p in model.parameters()),
             "rank": dist.get_rank()}
+
+
+def hsdp_worker(rank: int, world_size: int, width: int = 32, steps: int = 2) -> dict:
+    """HSDP on a 2-D mesh ``(replicate, shard)`` of ``world_size`` ranks (2 x 2 on 4): each block sharded inside
+    a row of the mesh, replicated across rows. Trains ``steps`` SGD steps on this rank's share of each global batch;
+    returns the full weights and the collectives of the last backward with the size of the group each ran in."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh2d = init_device_mesh(rank_device().type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    model = BlockNet(width)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh2d)
+    fully_shard(model, mesh=mesh2d)
+    force_sum_on_gloo(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = CollectiveLog()
+    for step in range(steps):
+        x = torch.randn(4 * world_size, width, generator=torch.Generator().manual_seed(step)).chunk(world_size)[rank]
+        log.records.clear()
+        with log:
+            out = model(x)
+            with log.during("backward"):
+                out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    w = model.blocks[0].up.weight
+    kinds = [r.kind for r in log.records if r.phase == "backward"]
+    return {"weights": {k: v.cpu() for k, v in fsdp2_full_state_dict(model).items()},
+            "placements": str(w.placements), "local shape": tuple(w.to_local().shape),
+            "reduce-scatters": kinds.count("reduce-scatter"), "all-reduces": kinds.count("all-reduce"),
+            "reduce-scatter bytes": sum(r.nbytes for r in log.records if r.kind == "reduce-scatter"),
+            "all-reduce bytes": sum(r.nbytes for r in log.records if r.kind == "all-reduce")}
+
+
+def hsdp_reference(world_size: int, width: int = 32, steps: int = 2) -> dict:
+    """One process, the same model and data as :func:`hsdp_worker`, on the whole batch."""
+    model = BlockNet(width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(4 * world_size, width, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
