@@ -51,7 +51,7 @@ Notebook → the modules it shows and uses:
 * 10 FSDP2 and distributed checkpoints: ``zero`` (``measure``, ``flat``, ``fsdp2``, ``training``), ``memory``,
   ``comm.costmodel``
 * 11 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``comm``, ``cost``, ``check``),
-  ``models.transformer``, ``comm.record``, ``viz.tensor_parallel``, ``exercises.ex11``
+  ``models.transformer``, ``comm.record``, ``viz.tensor_parallel``, ``viz.megatron``, ``exercises.ex11``
 * 12 sequence parallelism, DTensor and 2-D meshes: ``tensor_parallel`` (``sequence``, ``random``, ``dtensor``,
   ``training``), ``memory.saved``, ``memory.activations`` (``split_block_worker``), ``comm.record``
 * 13 activation memory: ``memory`` (``activations``, ``saved``, ``recompute``), ``exercises.ex13``

@@ -14,6 +14,11 @@ Why: every rank feeds the *same* input to its slice of a column-split layer, so 
 sum of what each slice sends back (``f``'s backward all-reduces); a row-split layer's ranks each produce a
 partial sum of the output, which ``g`` adds up, and the sum's gradient goes unchanged to each term.
 
+``g``'s identity backward rests on a premise: the gradient that reaches ``g`` is the same on every rank (the
+layers after it are whole and identical everywhere). A dropout after ``g`` that draws a different mask on each
+rank (a seed per rank) breaks exactly that: the gradients differ and so do the ranks' weights, silently
+(:mod:`.random` says which dropouts must agree across ranks).
+
 Sequence parallelism (:mod:`.sequence`) replaces the all-reduce by its two halves, on the sequence
 dimension: :func:`gather_sequence` (all-gather forward, reduce-scatter backward) where ``f`` was, and
 :func:`reduce_scatter_sequence` (reduce-scatter forward, all-gather backward) where ``g`` was.
