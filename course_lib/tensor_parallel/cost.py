@@ -7,7 +7,8 @@ Written plainly, as here, they sit on the critical path: the next layer cannot s
 Production code hides part of them: Megatron-LM runs ``f``'s backward all-reduce while it computes the weight
 gradient, and overlaps sequence parallelism's collectives with the matrix products (``--tp-comm-overlap``);
 PyTorch's async tensor parallelism (``torch.compile`` with symmetric memory) splits the matrix products into
-pieces that overlap the all-gather and reduce-scatter. :func:`layer_time` counts no overlap: an upper bound.
+pieces that overlap the all-gather and reduce-scatter; it decomposes only that form, not an all-reduce, so it
+needs sequence parallelism. :func:`layer_time` counts no overlap: an upper bound.
 
 The layer's matrix products cost about 2·(4h² + 2·m·h²) FLOPs per token forward (q, k, v, out; up, down with
 an MLP m times wider), plus 4·s·h for the attention scores and their use, and twice that backward
