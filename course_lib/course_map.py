@@ -72,8 +72,10 @@ NOTEBOOKS: list[Notebook] = [
              "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; every stage "
              "equal to one process", 0, "full", 20, 80, 105),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
-             "bytes held and sent per rank, measured; FSDP2 = ZeRO-3; resharding and prefetch; mixed precision; "
-             "sharded checkpoints (DCP) saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 20, 75, 155),
+             "bytes held and sent per rank, measured; an FSDP2 training loop; prefetch order, the root's reshard, "
+             "HSDP; bytes per parameter under mixed precision; the fully_shard wrapping (you write it); gradient "
+             "accumulation; meta-device init; DCP saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 30,
+             85, 105),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
              "block; communication per block", 0, "full", 40, 85, 150),
