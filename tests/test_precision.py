@@ -113,6 +113,82 @@ def test_cpu_features_and_matmul_speed_are_measured():
     from course_lib.precision.speed import cpu_features, matmul_worker
     f = cpu_features()
     assert f["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert f["native bf16"] == (f["avx512_bf16"] or f["amx_bf16"])
+    assert f["native bf16"] == ((f["avx512_bf16"] or f["amx_bf16"]) if f["flags known"] else None)
     rates = run(matmul_worker, 1, 64, 2, backend="gloo", threads=1, show_output=False)[0]
     assert set(rates) == {"float32", "bfloat16", "float16"} and all(v > 0 for v in rates.values())
+
+
+def test_cpu_features_say_unknown_where_no_flags_can_be_read(monkeypatch):
+    """ARM Linux lists no x86 flags and macOS has no /proc/cpuinfo: unknown, never "emulated"."""
+    from pathlib import Path
+
+    from course_lib.precision import speed
+    monkeypatch.setattr(Path, "is_file", lambda self: False)
+    f = speed.cpu_features()
+    assert f["native bf16"] is None and f["native fp16"] is None
+    assert (speed.describe(None), speed.describe(False), speed.describe(True)) == ("unknown", "emulated", "native")
+
+
+def test_fsdp2_reduce_dtype_unset_reduces_in_param_dtype():
+    r = run(fsdp_reduce_dtype_worker, 2, CFG, (torch.bfloat16, None), backend="gloo", show_output=False)[0]
+    rs = {dt: sum(b for k, b, _ in v["collectives"] if k == "reduce-scatter") for dt, v in r.items()}
+    assert rs["None"] == rs["bfloat16"] > 0 and r["None"]["error_vs_first"] == 0
+
+
+def test_a_bf16_ring_loses_more_with_every_rank_and_an_fp32_ring_does_not():
+    from course_lib.precision.wire import ring_sum_error
+    bf16 = [ring_sum_error(n, seed=1) for n in (2, 8, 64, 512)]
+    assert all(a < b for a, b in zip(bf16, bf16[1:]))
+    assert 0.002 < bf16[0] < 0.003 and 0.007 < bf16[2] < 0.009 and bf16[3] > 0.02
+    assert 0.02 < ring_sum_error(512, noise=3.0) < 0.03              # more noise: the lower end of 2-7%
+    assert ring_sum_error(512, torch.float32) < 1e-6
+
+
+def _fp16_hook_worker(rank, world_size, value):
+    """PyTorch's fp16_compress_hook on a one-element bucket: ``value`` on rank 0, 0 on the others."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    bucket = torch.tensor([value if rank == 0 else 0.0])
+    return default_hooks.fp16_compress_hook(None, (bucket,)).wait().item()
+
+
+def test_fp16_compress_hook_overflows_above_65504_on_one_rank_whatever_the_world_size():
+    """Exercise 1's solution: the hook casts before it divides, so 70000 is inf although the average, 35000, fits."""
+    over = run(_fp16_hook_worker, 2, 70000.0, backend="gloo", show_output=False)
+    under = run(_fp16_hook_worker, 2, 65000.0, backend="gloo", show_output=False)
+    assert all(v == float("inf") for v in over)
+    assert all(abs(v - 32500.0) < 32 for v in under)
+
+
+def test_bf16_hook_refusal_matches_torchs_own_condition():
+    from course_lib.precision.wire import refusal_on_this_build, refuses_bf16_hook
+
+    def worker(rank, world_size):
+        return refusal_on_this_build() is not None, refuses_bf16_hook()
+    assert run(worker, 1, backend="gloo", show_output=False)[0] in {(True, True), (False, False)}
+
+
+def test_scaled_fp8_casts_keep_what_unscaled_casts_flush_to_zero():
+    from course_lib.precision import formats
+    if not formats.FP8:
+        pytest.skip("this torch has no float8 dtypes")
+    assert format_table()["fp8 e4m3"]["largest"] == 448 and format_table()["fp8 e5m2"]["largest"] == 57344
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e-4
+    r = formats.scaled_fp8_cast(x, torch.float8_e4m3fn)
+    assert r["unscaled"]["zeroed"] > 0.99 and r["scaled"]["zeroed"] == 0 and r["scaled"]["relative_error"] < 0.05
+    assert (x * r["scale"]).abs().max().item() == pytest.approx(448, rel=1e-6)
+
+
+def test_accumulation_is_exact_with_masked_targets_only_when_normalised_by_the_global_token_count():
+    from course_lib.memory.accumulation import masked_accumulation_worker
+    r = run(masked_accumulation_worker, 2, CFG, backend="gloo", show_output=False)
+    assert r[0]["tokens per micro-batch"] != r[1]["tokens per micro-batch"]       # the premise: counts differ
+    for one in r:
+        assert one["global token count"] < 1e-5 and one["per micro-batch mean"] > 0.05
+
+
+def test_a_bf16_model_loses_most_updates_at_a_small_learning_rate():
+    from course_lib.precision.mixed import train_worker
+    r = run(train_worker, 1, CFG, ("master", "bf16"), 30, 16, 1e-4, backend="gloo", threads=1, show_output=False)[0]
+    assert r["bf16"]["lost"][-1] > 0.5
+    drop = {m: v["losses"][0] - v["losses"][-1] for m, v in r.items()}
+    assert drop["bf16"] < 0.85 * drop["master"]
