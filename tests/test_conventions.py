@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STANDARD = ["00_welcome.ipynb", "01_ranks_and_collectives.ipynb", "02_allreduce_from_scratch.ipynb",
             "03_data_parallel_from_scratch.ipynb", "04_ddp_in_practice.ipynb", "05_ddp_nccl_torchrun.ipynb",
             "06_model_parallel.ipynb",
-            "07_pipeline_schedules.ipynb", "08_faults_and_debugging.ipynb", "09_zero_from_scratch.ipynb", "10_fsdp2_and_checkpoints.ipynb",
+            "07_pipeline_schedules.ipynb", "08_faults_and_debugging.ipynb", "09_zero_from_scratch.ipynb",
+            "10_fsdp2_and_checkpoints.ipynb",
             "11_tensor_parallel.ipynb", "14_mixed_precision.ipynb", "15_context_parallel.ipynb", "16_expert_parallel.ipynb",
             "12_sequence_parallel_and_dtensor.ipynb", "17_putting_it_together.ipynb"]
 FOLDED = "<details><summary>"
