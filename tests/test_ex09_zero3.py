@@ -69,3 +69,33 @@ def test_a_function_that_is_not_an_autograd_function_is_explained():
 def test_without_division_the_weights_really_differ():
     right, too_big = ex.reference(2), ex.reference(2, gradient_scale=2)
     assert max((a - b).abs().max().item() for a, b in zip(right, too_big)) > 1e-3
+
+
+def teaching_and_library_worker(rank, world_size):
+    """The reference Function and the library's fully_shard train the same stack the same way."""
+    import torch.nn as nn
+
+    from course_lib.zero import full_state_dict, fully_shard
+    taught = ex.trial(rank, world_size, ex.Zero3Linear)["final"]
+    layers, x, y = ex._problem(world_size)
+    model = nn.Sequential(*[m for _ in range(ex.DEPTH) for m in (nn.Linear(ex.WIDTH, ex.WIDTH), nn.ReLU())][:-1])
+    with torch.no_grad():
+        for k, flat in enumerate(layers):
+            weight, bias = ex.unflatten(flat)
+            model[2 * k].weight.copy_(weight)
+            model[2 * k].bias.copy_(bias)
+    model = fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex.LR, momentum=ex.MOMENTUM)
+    mine = slice(rank * ex.BATCH, (rank + 1) * ex.BATCH)
+    for t in range(ex.STEPS):
+        optimizer.zero_grad()
+        (model(x[t, mine]) - y[t, mine]).pow(2).mean().backward()
+        optimizer.step()
+    state = full_state_dict(model)
+    library = [torch.cat([state[f"{2 * k}.weight"].reshape(-1), state[f"{2 * k}.bias"]]) for k in range(ex.DEPTH)]
+    return max((a - b).abs().max().item() for a, b in zip(taught, library))
+
+
+def test_the_teaching_layer_equals_the_librarys_fully_shard(no_leftovers):
+    from course_lib.launch import run
+    assert max(run(teaching_and_library_worker, 2, backend="gloo", show_output=False)) < 1e-6
