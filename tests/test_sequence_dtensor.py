@@ -76,3 +76,14 @@ def test_rank_generator_state_round_trip():
     second = torch.rand(3, generator=rng.generator("cpu"))
     rng.set_state(mid)
     assert torch.equal(torch.rand(3, generator=rng.generator("cpu")), second)
+
+
+def test_the_production_plan_equals_one_process_and_never_gathers_the_logits():
+    from course_lib.tensor_parallel import production
+    for r in run(production.production_worker, 2, show_output=False):
+        assert r["loss"] < 1e-6 and max(r["grads"].values()) < 1e-5
+        assert r["logits"] == ("(Shard(dim=2),)", (2, 8, 32))          # vocabulary-sharded, never whole
+        assert all(nbytes < r["logits bytes"] for _, nbytes, _ in r["collectives"])
+        forward = [(k, n) for k, n, phase in r["collectives"] if phase == "forward"]
+        assert forward[:2] == [("reduce-scatter", 2048), ("reduce-scatter", 1024)]   # tok_emb, pos_emb
+        assert forward[-3:] == [("all-reduce", 2 * 8 * 4)] * 3                      # loss_parallel: per position
