@@ -1,5 +1,6 @@
 """FSDP2's costs, counted on 2 Gloo ranks (course_lib.zero.fsdp2_costs): the backward order under prefetching, the
 root's default reshard, bytes per parameter under mixed precision, gradient accumulation, meta-device init."""
+import dataclasses
 import functools
 
 import torch
@@ -93,3 +94,81 @@ def test_hsdp_on_a_2x2_mesh_equals_one_process():
         assert r["placements"] == "(Replicate(), Shard(dim=0))" and r["local shape"] == (16, 32)
         assert (r["reduce-scatters"], r["all-reduces"]) == (4, 4)                 # 3 blocks and the root, each
         assert (r["reduce-scatter bytes"], r["all-reduce bytes"]) == (whole, whole // 2)   # across: only a shard
+
+
+class _SkipsABlock(fsdp2_costs.BlockNet):
+    """A BlockNet whose block ``skip`` does not run (a parameter unused on this rank)."""
+
+    skip = None
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = block(x)
+        return self.head(x)
+
+
+def _unit_skipped_on_rank_1(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.zero import fsdp2
+    model = _SkipsABlock(16)
+    model.skip = 1 if rank == 1 else None
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    fsdp2.force_sum_on_gloo(model)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+
+
+def test_a_unit_skipped_on_one_rank_hangs_and_run_stops_it():
+    import pytest
+
+    from course_lib.launch import RunTimeoutError
+    with pytest.raises(RunTimeoutError, match="collective that only some ranks call"):
+        run(_unit_skipped_on_rank_1, 2, backend="gloo", show_output=False, timeout=15)
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, as_dataclass):
+        super().__init__()
+        self.linear, self.as_dataclass = torch.nn.Linear(8, 8), as_dataclass
+
+    def forward(self, x):
+        y = self.linear(x)
+        return _Out(y) if self.as_dataclass else (y,)
+
+
+class _Two(torch.nn.Module):
+    def __init__(self, as_dataclass):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _Layer(as_dataclass), _Layer(as_dataclass)
+
+    def forward(self, x):
+        unpack = (lambda o: o.y) if self.a.as_dataclass else (lambda o: o[0])
+        return unpack(self.b(unpack(self.a(x))))
+
+
+def _grads_with_outputs(rank, world_size, as_dataclass):
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.zero import fsdp2
+    model = _Two(as_dataclass)
+    for layer in (model.a, model.b):
+        fully_shard(layer)                   # resharded after forward: backward must gather them again
+    fully_shard(model)
+    fsdp2.force_sum_on_gloo(model)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_a_dataclass_output_gets_the_same_gradients_as_a_tuple():
+    tuples, dataclasses_ = (run(_grads_with_outputs, 2, flag, backend="gloo", show_output=False)[0]
+                            for flag in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(tuples, dataclasses_))
