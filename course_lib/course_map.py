@@ -69,8 +69,9 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("08_faults_and_debugging.ipynb", "Faults and debugging",
              "hangs made errors; a killed rank; resuming; atomic checkpoints; pitfalls", 0, "full", 50, 85, 145),
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
-             "what data parallelism holds N times over; ZeRO-1 (you write it), ZeRO-2 and ZeRO-3; every stage "
-             "equal to one process", 0, "full", 20, 80, 105),
+             "what data parallelism holds N times over; ZeRO-1 and a ZeRO-3 layer (you write them); the library's "
+             "three stages, each equal to one process; traffic counted; what sharding breaks; meta-device init", 0,
+             "full", 30, 90, 115),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
              "bytes held and sent per rank, measured; an FSDP2 training loop; prefetch order, the root's reshard, "
              "HSDP; bytes per parameter under mixed precision; the fully_shard wrapping (you write it); gradient "
