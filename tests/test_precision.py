@@ -192,3 +192,12 @@ def test_a_bf16_model_loses_most_updates_at_a_small_learning_rate():
     assert r["bf16"]["lost"][-1] > 0.5
     drop = {m: v["losses"][0] - v["losses"][-1] for m, v in r.items()}
     assert drop["bf16"] < 0.85 * drop["master"]
+
+
+def test_fp32_gradient_accumulation_holds_18_bytes_and_bf16_accumulation_drifts_with_micro_batches():
+    from course_lib.precision.mixed import fp32_accumulation
+    x, y = make_token_dataset(16, CFG.seq_len, CFG.vocab).tensors
+    few, many = (fp32_accumulation(transformer(CFG), x, y, k) for k in (2, 16))
+    assert few["per_parameter"] == many["per_parameter"] == {
+        "bf16 weights": 2, "fp32 gradients": 4, "fp32 master weights": 4, "optimizer states": 8, "total": 18}
+    assert many["bf16_accumulation_error"] > few["bf16_accumulation_error"] > 0

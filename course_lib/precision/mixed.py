@@ -145,3 +145,42 @@ def train_worker(rank: int, world_size: int, cfg, modes=MODES, steps: int = 30, 
     for m in modes:
         out[m]["median_seconds"] = statistics.median(out[m]["seconds"][1:] or out[m]["seconds"])
     return out
+
+
+def fp32_accumulation(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, k: int = 8,
+                      lr: float = 1e-3) -> dict:
+    """A bf16 model trained one step over ``k`` micro-batches, its gradients accumulated in fp32 buffers (one per
+    parameter, kept across the micro-batches, as large trainers do) and stepped through fp32 master weights with
+    Adam. Returns the bytes per parameter each kind of tensor holds at the step (measured from the tensors), and how
+    far a plain bf16 ``.grad`` accumulation drifts from the fp32 one (relative error of the summed gradients)."""
+    from ..models.transformer import lm_loss
+    model = model.to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = MasterWeights(params, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0))
+    fp32_grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    bf16_sum = [torch.zeros_like(p) for p in params]
+    for xb, yb in zip(tokens.chunk(k), targets.chunk(k)):
+        (lm_loss(model(xb), yb).float() / k).backward()
+        for acc, low, p in zip(fp32_grads, bf16_sum, params):
+            acc += p.grad.float()                      # the fp32 buffer: exact enough
+            low += p.grad                              # what bf16 .grad accumulation would hold
+            p.grad = None
+    with torch.no_grad():
+        for m, g in zip(opt.masters, fp32_grads):
+            m.grad = g                                 # the fp32 buffer steps the fp32 master directly
+        opt.inner.step()
+        for p, m in zip(params, opt.masters):
+            p.copy_(m)
+            m.grad = None
+
+    def size(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+    n = sum(p.numel() for p in params)
+    per = {"bf16 weights": size(params) / n, "fp32 gradients": size(fp32_grads) / n,
+           "fp32 master weights": size(opt.masters) / n,
+           "optimizer states": size([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+                                     and v.numel() > 1]) / n}
+    per["total"] = sum(per.values())
+    exact = torch.cat([g.flatten() for g in fp32_grads])
+    low = torch.cat([g.float().flatten() for g in bf16_sum])
+    return {"per_parameter": per, "bf16_accumulation_error": ((low - exact).norm() / exact.norm()).item()}
