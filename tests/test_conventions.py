@@ -18,7 +18,8 @@ STANDARD = ["00_welcome.ipynb", "01_ranks_and_collectives.ipynb", "02_allreduce_
             "06_model_parallel.ipynb",
             "07_pipeline_schedules.ipynb", "08_faults_and_debugging.ipynb", "09_zero_from_scratch.ipynb",
             "10_fsdp2_and_checkpoints.ipynb",
-            "11_tensor_parallel.ipynb", "14_mixed_precision.ipynb", "15_context_parallel.ipynb", "16_expert_parallel.ipynb",
+            "11_tensor_parallel.ipynb", "13_activation_memory.ipynb",
+            "14_mixed_precision.ipynb", "15_context_parallel.ipynb", "16_expert_parallel.ipynb",
             "12_sequence_parallel_and_dtensor.ipynb", "17_putting_it_together.ipynb"]
 FOLDED = "<details><summary>"
 
