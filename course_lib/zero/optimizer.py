@@ -12,9 +12,10 @@ A reduce-scatter and an all-gather are the two halves of a ring all-reduce: done
 DDP sends. :class:`ShardedOptimizer` under DDP is an all-reduce (DDP's) plus an all-gather: 1.5 x DDP's bytes,
 like torch's ``ZeroRedundancyOptimizer``; ``shard(model, 1)`` is the reduce-scatter + all-gather form.
 
-Sharding the optimizer is exact only for an **element-wise** optimizer (SGD, Adam, Lion: each element's update
-reads that element's gradient and state alone). A factored one (Adafactor: row and column statistics) or a
-global-norm gradient clip needs the whole tensor: :func:`.clip.clip_grad_norm_` all-reduces the squared norms.
+Sharding the optimizer matches one process (to rounding) only for an **element-wise** optimizer (SGD, Adam,
+Lion: each element's update reads that element's gradient and state alone). A factored one (Adafactor: row and
+column statistics) or a global-norm gradient clip needs the whole tensor: :func:`.clip.clip_grad_norm_`
+all-reduces the squared norms.
 
 :class:`ShardedOptimizer` is steps 2 and 3 as a drop-in optimizer (what torch's
 ``ZeroRedundancyOptimizer`` offers): it expects gradients already averaged (by DDP, MiniDDP...) and

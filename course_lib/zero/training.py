@@ -118,16 +118,18 @@ def state_of(strategy, model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_worker(rank: int, world_size: int, strategy, model: str = "mlp", optimizer: str = "adamw",
-                 steps: int = 3, batch: int = 4, compute_dtype=None, micro_batches: int = 1) -> dict:
+                 steps: int = 3, batch: int = 4, compute_dtype=None, micro_batches: int = 1, dtype=None) -> dict:
     """Train ``steps`` steps on this rank's share of each global batch; return the full state dict.
-    ``micro_batches`` > 1 accumulates the gradients of that many backward passes before each step."""
+    ``micro_batches`` > 1 accumulates the gradients of that many backward passes before each step. ``dtype``
+    (e.g. ``torch.bfloat16``): the model is stored in it, and floating inputs are cast to it."""
     device = rank_device()
-    wrapped, opt = wrap(strategy, build(model).to(device), optimizer, compute_dtype)
+    wrapped, opt = wrap(strategy, build(model).to(device, dtype), optimizer, compute_dtype)
     for x, y in batches(model, world_size * batch, steps):
         mine = slice(rank * batch, (rank + 1) * batch)
         opt.zero_grad()
         for xm, ym in zip(x[mine].chunk(micro_batches), y[mine].chunk(micro_batches)):
-            (loss_fn(model, wrapped(xm.to(device)), ym.to(device)) / micro_batches).backward()
+            xm = xm.to(device, dtype) if dtype is not None and xm.is_floating_point() else xm.to(device)
+            (loss_fn(model, wrapped(xm), ym.to(device)) / micro_batches).backward()
         opt.step()
     return state_of(strategy, wrapped)
 
