@@ -11,7 +11,7 @@ def stub(loss, model, opt, state, max_norm):
 
 
 def make(scale_loss=True, unscale=True, clip_first=False, clip=True, finite=torch.isfinite, skip=True,
-         backoff=0.5, grow=True, reset_on_growth=True, reset_on_skip=True, returns=True):
+         backoff=0.5, grow=True, reset_on_growth=True, reset_on_skip=True, returns=True, late=False):
     """A loss-scaling step with one of the usual mistakes switched on."""
     def step(loss, model, opt, state, max_norm):
         params = list(model.parameters())
@@ -28,7 +28,7 @@ def make(scale_loss=True, unscale=True, clip_first=False, clip=True, finite=torc
             opt.step()
         if ok:
             state["good_steps"] += 1
-            if grow and state["good_steps"] >= state["growth_interval"]:
+            if grow and state["good_steps"] >= state["growth_interval"] + late:
                 state["scale"] *= 2
                 if reset_on_growth:
                     state["good_steps"] = 0
@@ -48,7 +48,8 @@ WRONG_ANSWERS = {
     "stepped anyway": (make(skip=False), "you stepped anyway"),
     "isinf only": (make(finite=not_inf), "torch.isinf misses NaN"),
     "no backoff": (make(backoff=1.0), "back off, halve it"),
-    "never grows": (make(grow=False), "otherwise the scale only ever falls"),
+    "never grows": (make(grow=False), "without growth the scale only ever falls"),
+    "grows one step late": (make(late=True), "(not one step later)"),
     "growth counter not reset": (make(reset_on_growth=False), "reset state['good_steps'] to 0 when you double"),
     "counter not reset on skip": (make(reset_on_skip=False), "on a skipped step too"),
     "clip before unscale": (make(clip_first=True), "you clipped the scaled gradients, then unscaled them"),

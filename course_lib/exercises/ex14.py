@@ -70,7 +70,8 @@ def forward(model, x, y):
 
 
 def gradscaler_loop(model, opt, batches, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, max_norm=MAX_NORM):
-    """The canonical loop. Returns per step the scale it used, whether it skipped, and the weights after."""
+    """The canonical loop. Returns per step the scale it used and the scale after, whether it skipped, and the
+    weights after."""
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
     out = []
     for x, y in batches:
@@ -82,7 +83,7 @@ def gradscaler_loop(model, opt, batches, init_scale=INIT_SCALE, growth_interval=
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(opt)                                     # opt.step(), unless a gradient was inf/NaN
         scaler.update()                                      # halve after a skip; double after growth_interval
-        out.append({"scale": scale, "skipped": scaler.get_scale() < scale,
+        out.append({"scale": scale, "scale after": scaler.get_scale(), "skipped": scaler.get_scale() < scale,
                     "weights": [p.detach().clone() for p in model.parameters()]})
     return out
 
@@ -201,13 +202,13 @@ def check_scaled_step(fn) -> Feedback:
                              "unscale, clip, step")
             if not took:
                 return wrong(f"{where}: you took the step (right) but returned False: return True when you step")
-            want = ref[i + 1]["scale"] if i + 1 < len(ref) else None
-            if want is not None and scale != want:
+            want = r["scale after"]
+            if scale != want:
                 if want > r["scale"] and scale == r["scale"]:
                     return wrong(f"{where}: this is the {GROWTH_INTERVAL}th clean step in a row and GradScaler "
                                  f"doubles its scale to {want:g}; yours stays {scale:g}. Count clean steps in "
-                                 "state['good_steps'] and double the scale when the count reaches growth_interval: "
-                                 "otherwise the scale only ever falls")
+                                 "state['good_steps'] and double the scale when the count reaches growth_interval "
+                                 "(not one step later): without growth the scale only ever falls")
                 if scale > r["scale"] and grew_at and grew_at[-1] == i - 1:
                     return wrong(f"{where}: your scale grew again one step after growing: reset "
                                  "state['good_steps'] to 0 when you double the scale")
@@ -215,7 +216,7 @@ def check_scaled_step(fn) -> Feedback:
                     return wrong(f"{where}: your scale grew only {i - skipped_at[-1]} clean step(s) after the skip "
                                  f"at step {skipped_at[-1]}: reset state['good_steps'] to 0 on a skipped step too")
                 return wrong(f"{where}: after this step GradScaler's scale is {want:g}, yours {scale!r}")
-            if want is not None and want > r["scale"]:
+            if want > r["scale"]:
                 grew_at.append(i)
         weights = after
     return passed(f"{STEPS} steps: your scale ({INIT_SCALE:g} → {state['scale']:g}), skipped steps {skipped_at} and "
