@@ -16,6 +16,10 @@ every dropout of a sharded region draws from in turn (its ``get_cuda_rng_tracker
 state per rank that advances with each draw matters as much as the seed: block 0 and block 1 then get
 different masks, and so does every step. :class:`RankGenerator` is that state; one of them is shared by every
 :class:`ShardedDropout` of a model (:func:`use_sharded_dropout` puts them in place).
+
+Under activation recomputation the forward runs again in the backward pass, and ``torch.utils.checkpoint``
+restores only torch's default generators: a :class:`ShardedDropout` would draw a new mask there and the gradients
+would be silently wrong. :func:`checkpoint` saves and restores the :class:`RankGenerator`'s state as well.
 """
 from __future__ import annotations
 
