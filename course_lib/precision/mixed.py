@@ -12,6 +12,9 @@
 * ``"bf16"`` (to show why the master copy exists): the bf16 model stepped directly. An update smaller than
   half a bf16 step of the weight (``|w| x 2^-8``) rounds away: :func:`lost_updates` counts them.
 
+Large trainers accumulate the gradients of their micro-batches in fp32 buffers: 2 + 4 + 4 + 8 = 18 bytes per
+parameter (:func:`fp32_accumulation` measures it, and how far a bf16 ``.grad`` sum drifts instead).
+
 Mixed precision saves activation memory and time, not the per-parameter state: that takes sharding
 (ZeRO, notebook 09) or a smaller optimizer.
 """
