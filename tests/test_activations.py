@@ -202,3 +202,12 @@ def test_chunked_cross_entropy_equals_the_full_loss_and_never_holds_all_logits()
     torch.testing.assert_close((hidden.grad, weight.grad), g)
     with pytest.raises(ValueError, match="chunks"):
         chunked_cross_entropy(hidden, weight, targets, chunks=0)
+
+
+def test_korthikanti_with_fused_attention_is_34_sbh_plus_the_logsumexp():
+    """Notebook 13's second end exercise: in the paper's setting, fused attention replaces 5as/h by 4a/h (the
+    logsumexp), less the LayerNorm statistics the paper leaves out."""
+    for s, b, h, a in [(2048, 1, 4096, 32), (512, 2, 1024, 16)]:
+        fused = block_activation_bytes(b, s, h, a, 4 * h, dtype_bytes=2, dropout=True, stats_bytes=4, mask_bytes=1,
+                                       attention="fused")
+        assert fused["total"] - fused["LayerNorm mean and 1/std"] == s * b * h * 34 + 4 * a * s * b
