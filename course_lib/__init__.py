@@ -46,8 +46,9 @@ Notebook → the modules it shows and uses:
 * 07 pipeline schedules: ``pipeline_parallel`` (``schedules``, ``stages``, ``torch_pipelining``), ``parallelism``,
   ``viz.pipeline``, ``viz.widgets`` (``ScheduleExplorer``), ``exercises.ex07``
 * 08 faults and debugging: ``faults``, ``checkpoint``, ``recipes.train_ddp``, ``launch.commands``, ``exercises.ex08``
-* 09 ZeRO from scratch: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``), ``models.tiny_lm``,
-  ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``), ``exercises.ex09``
+* 09 ZeRO from scratch: ``zero`` (``flat``, ``optimizer``, ``stage3``, ``api``, ``training``, ``measure``, ``clip``,
+  ``meta_init``), ``models.tiny_lm``, ``memory``, ``viz.sharding``, ``viz.widgets`` (``MemoryCalculator``),
+  ``exercises.ex09``, ``exercises.ex09_zero3``
 * 10 FSDP2 and distributed checkpoints: ``zero`` (``measure``, ``flat``, ``fsdp2``, ``training``), ``memory``,
   ``comm.costmodel``
 * 11 tensor parallelism: ``tensor_parallel`` (``operators``, ``layers``, ``blocks``, ``comm``, ``cost``, ``check``),

@@ -5,8 +5,10 @@ optimizer states (16 bytes per parameter with Adam). ZeRO ("Zero Redundancy Opti
 rank 1/N of them instead, and moves the rest over the network when it is needed:
 
 * :mod:`.flat`: how a parameter is cut into N slices; one layer's all-gather and reduce-scatter.
-* :mod:`.optimizer`: stage 1 (optimizer states sharded) as :class:`ShardedOptimizer`, a drop-in
-  optimizer; stage 2 (gradients too, reduce-scattered from backward hooks).
+* :mod:`.optimizer`: stage 1 (optimizer states sharded) as :class:`ShardedOptimizer`, a drop-in for an
+  element-wise optimizer; stage 2 (gradients too, reduce-scattered from backward hooks).
+* :mod:`.clip`: what sharding breaks: a global-norm clip (fixed by one all-reduce), a factored optimizer.
+* :mod:`.meta_init`: a model built on the meta device, sharded, and made one slice per rank.
 * :mod:`.stage3`: stage 3, :func:`fully_shard` (parameters too, gathered one layer at a time by
   forward and backward hooks), the way PyTorch's FSDP2 does it.
 * :mod:`.api`: :func:`shard` (any stage in one call), :func:`full_state_dict`, :func:`rank_bytes`.
