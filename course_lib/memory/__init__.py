@@ -6,6 +6,8 @@
 * :mod:`.activations`: those bytes derived term by term for the course's block and model (= measured),
   against Megatron's formula; :func:`.activations.held_bytes`, what a forward leaves allocated;
   :func:`.activations.split_block_worker`, what a block split across ranks keeps (notebook 12).
+* :mod:`.fused`: the course's block with fused attention (SDPA): no scores saved, a logsumexp instead.
+* :mod:`.timeline`: memory over one training step, forward and backward; chunked cross-entropy.
 * :mod:`.recompute`: activation checkpointing, whole-layer and operator by operator: bytes held, FLOPs recomputed.
 * :mod:`.accumulation`: gradient accumulation against a larger micro-batch (memory, time, ``no_sync``).
 * :mod:`.planner`: the bytes-only calculator: which layouts (DDP, ZeRO, TP, recomputation) fit, at what traffic;
