@@ -55,7 +55,8 @@ Notebook → the modules it shows and uses:
   ``models.transformer``, ``comm.record``, ``viz.tensor_parallel``, ``viz.megatron``, ``exercises.ex11``
 * 12 sequence parallelism, DTensor and 2-D meshes: ``tensor_parallel`` (``sequence``, ``random``, ``dtensor``,
   ``training``), ``memory.saved``, ``memory.activations`` (``split_block_worker``), ``comm.record``
-* 13 activation memory: ``memory`` (``activations``, ``saved``, ``recompute``), ``exercises.ex13``
+* 13 activation memory: ``memory`` (``activations``, ``saved``, ``fused``, ``timeline``, ``recompute``),
+  ``exercises.ex13``
 * 14 mixed precision: ``precision`` (``formats``, ``mixed``, ``scaling``, ``speed``, ``wire``), ``memory``
   (``accumulation``)
 * 15 context parallelism: ``context_parallel`` (``blocks``, ``ring``, ``allgather``, ``ulysses``, ``traffic``),
