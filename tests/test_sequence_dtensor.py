@@ -87,3 +87,16 @@ def test_the_production_plan_equals_one_process_and_never_gathers_the_logits():
         forward = [(k, n) for k, n, phase in r["collectives"] if phase == "forward"]
         assert forward[:2] == [("reduce-scatter", 2048), ("reduce-scatter", 1024)]   # tok_emb, pos_emb
         assert forward[-3:] == [("all-reduce", 2 * 8 * 4)] * 3                      # loss_parallel: per position
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_megatrons_regather_keeps_a_slice_for_one_more_all_gather(n):
+    from course_lib.tensor_parallel.sequence import regather_worker
+    for r in run(regather_worker, n, show_output=False):
+        whole = 2 * 8 * 16 * 4                          # the (batch, seq, dim) float32 input
+        assert r["gather, then F.linear"]["kept bytes"] == whole
+        assert r["re-gather"]["kept bytes"] == whole // n   # the gap to the paper's row, closed
+        assert r["gather, then F.linear"]["collectives"] == [("all-gather", "forward"), ("reduce-scatter", "backward")]
+        assert r["re-gather"]["collectives"] == [("all-gather", "forward"), ("all-gather", "backward"),
+                                                 ("reduce-scatter", "backward")]
+        assert r["largest difference"] < 1e-6

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..models.transformer import Block
 from .blocks import ParallelBlock
-from .operators import gather_sequence, scatter_sequence
+from .operators import _all_gather, _reduce_scatter, gather_sequence, scatter_sequence
 from .random import RankGenerator
 
 
@@ -89,3 +89,60 @@ def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, 
     if not sequence_parallel:
         return sbh * (10 + 24 / tp + scores)
     return sbh * (34 / tp + scores) if regather else sbh * (4 + 30 / tp + scores)
+
+
+class RegatheredColumnLinear(torch.autograd.Function):
+    """Megatron-LM's re-gather: a column-parallel layer on a sequence slice that keeps only the slice for backward.
+
+    Forward all-gathers the sequence and applies the layer, as :func:`join_sequence` then ``F.linear`` do, but
+    saves this rank's slice instead of the whole input; backward all-gathers it again for the weight gradient
+    and reduce-scatters the input gradient. One more all-gather per layer, ``(N−1)/N`` of the input less to keep.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return torch.nn.functional.linear(_all_gather(x, 1, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _all_gather(x, 1, ctx.group)                        # gathered again
+        grad_x = _reduce_scatter(grad @ weight, 1, ctx.group)
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t() @ whole.reshape(-1, whole.shape[-1])
+        return grad_x, grad_w, flat.sum(0) if ctx.has_bias else None, None
+
+
+def regather_worker(rank: int, world_size: int, batch: int = 2, seq: int = 8, dim: int = 16, out: int = 32) -> dict:
+    """A column-parallel layer on this rank's sequence slice, as this course builds it (gather, then ``F.linear``)
+    and with Megatron-LM's re-gather: the bytes each keeps for backward (parameters and their views excluded), its
+    collectives, and the largest difference of output and gradients between the two."""
+    from ..comm.record import CollectiveLog
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(batch, seq, dim, generator=g).chunk(world_size, 1)[rank]
+    weight = torch.randn(out, dim, generator=g).chunk(world_size, 0)[rank]
+    bias = torch.randn(out, generator=g).chunk(world_size, 0)[rank]
+    grad_y = torch.randn(batch, seq, out // world_size, generator=g)
+    result = {}
+    for how in ("gather, then F.linear", "re-gather"):
+        xi, w, bb = (t.clone().requires_grad_() for t in (x, weight, bias))
+        kept = []
+
+        def pack(t, params=(w, bb), kept=kept):
+            if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in params):
+                kept.append(t.numel() * t.element_size())
+            return t
+
+        with CollectiveLog() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = (RegatheredColumnLinear.apply(xi, w, bb, None) if how == "re-gather"
+                 else torch.nn.functional.linear(join_sequence(xi), w, bb))
+            with log.during("backward"):
+                y.backward(grad_y)
+        result[how] = {"kept bytes": sum(kept), "collectives": [(r.kind, r.phase) for r in log.records],
+                       "values": [y.detach(), xi.grad, w.grad, bb.grad]}
+    a, b = (result[h].pop("values") for h in ("gather, then F.linear", "re-gather"))
+    result["largest difference"] = max((p - q).abs().max().item() for p, q in zip(a, b))
+    return result
