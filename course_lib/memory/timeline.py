@@ -1,8 +1,9 @@
 """Memory over one training step, and two ways to lower its peak: offload to the host, chunk the loss.
 
 :func:`memory_curve` follows every storage a step's operators create, forward *and* backward, and records the
-bytes alive after each operator: the curve the profiler's memory timeline draws (``torch.profiler.profile(
-profile_memory=True)``; on a GPU ``torch.cuda.memory._record_memory_history`` and its snapshot viewer). It rises
+bytes alive after each operator: the kind of curve the profiler's memory timeline draws from the allocator's
+events (``torch.profiler.profile(profile_memory=True)``; on a GPU ``torch.cuda.memory._record_memory_history``
+and its snapshot viewer). It rises
 through the forward (each layer adds what it saves), peaks near the turn, and falls through the backward as
 saved tensors are freed, gradients taking their place.
 
