@@ -172,3 +172,13 @@ def test_a_dataclass_output_gets_the_same_gradients_as_a_tuple():
     tuples, dataclasses_ = (run(_grads_with_outputs, 2, flag, backend="gloo", show_output=False)[0]
                             for flag in (False, True))
     assert all(torch.equal(a, b) for a, b in zip(tuples, dataclasses_))
+
+
+def _reshard_to(rank, world_size):
+    return {flag: fsdp2_costs.reshard_to_worker(rank, world_size, flag) for flag in (True, 2)}
+
+
+def test_reshard_after_forward_to_2_of_4_ranks_gathers_backward_from_2():
+    r = run(_reshard_to, 4, backend="gloo", show_output=False)[0]
+    assert r[True] == [("forward", 4)] * 4 + [("backward", 4)] * 4           # 3 blocks and the head, twice
+    assert r[2] == [("forward", 4)] * 4 + [("backward", 2)] * 4              # backward inside a pair of ranks

@@ -236,3 +236,39 @@ def hsdp_reference(world_size: int, width: int = 32, steps: int = 2) -> dict:
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gather_sizes_mode():
+    """A dispatch mode recording, for each all-gather, how many ranks it gathers from (its output's elements over
+    its input's) and the phase it ran in."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GatherSizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.phase, self.records = "forward", []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "allgather" in func.name():
+                out, inp = (a for a in args if isinstance(a, torch.Tensor))
+                self.records.append((self.phase, out.numel() // max(inp.numel(), 1)))
+            return func(*args, **(kwargs or {}))
+    return GatherSizes()
+
+
+def reshard_to_worker(rank: int, world_size: int, reshard_after_forward, width: int = 16) -> list[tuple[str, int]]:
+    """``fully_shard(..., reshard_after_forward=<flag>)`` on every unit of a :class:`BlockNet`: each all-gather of one
+    forward and backward, as (phase, ranks it gathers from). With an int ``k`` the weights are resharded after
+    forward over ``k`` ranks only (one node, say), so backward gathers from ``k`` ranks, not the world."""
+    from torch.distributed.fsdp import fully_shard
+    model = BlockNet(width)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    force_sum_on_gloo(model)
+    mode = _gather_sizes_mode()
+    with mode:
+        out = model(torch.randn(4, width))
+        mode.phase = "backward"
+        out.pow(2).mean().backward()
+    return mode.records
