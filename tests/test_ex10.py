@@ -49,6 +49,14 @@ def bf16_reduce(model, mesh):
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def root_first(model, mesh):
+    policy = MixedPrecisionPolicy(**POLICY)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def forgets_return(model, mesh):
     ex10.reference(model, mesh)
 
@@ -70,6 +78,7 @@ def test_reference_passes_and_stub_is_not_attempted():
     (keep_after_forward, "reshard_after_forward=False"),
     (no_policy, "compute in torch.float32"),
     (bf16_reduce, "reduce_dtype defaults to param_dtype"),
+    (root_first, "bottom-up: each block first"),
     (forgets_return, "returned a NoneType"),
     (uses_the_library, "switched off"),
 ])

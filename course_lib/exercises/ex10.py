@@ -18,6 +18,9 @@ import torch.nn as nn
 from . import passed, run_attempt, wrong
 
 WIDTH, DEPTH = 32, 3
+HINTS = {"Invariant encountered": "this is what torch raises when fully_shard was applied to the root before its "
+                                  "blocks. Call it bottom-up: each block first, then the root (the root's call "
+                                  "takes only the parameters no unit has taken yet)"}
 
 
 def reference(model, mesh):
@@ -120,7 +123,7 @@ def _diagnose(r: dict) -> str | None:
 
 def check_fsdp_wrapping(fn):
     """``fn(model, mesh)`` wraps a BlockNet and returns it: checked on 2 Gloo ranks."""
-    results, feedback = run_attempt(probe, 2, fn, timeout=60,
+    results, feedback = run_attempt(probe, 2, fn, timeout=60, error_hints=HINTS,
                                     timeout_hint="Every rank must call fully_shard on the same modules, in order.")
     if feedback is not None:
         return feedback
