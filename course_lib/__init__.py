@@ -36,7 +36,8 @@ Notebook → the modules it shows and uses:
 
 * 00 welcome: ``course_map``, ``doctor``, ``hardware``, ``launch``
 * 01 ranks and collectives: ``launch``, ``comm.collectives``, ``viz.collectives``, ``viz.widgets``, ``exercises.ex01``
-* 02 all-reduce from scratch: ``comm.allreduce``, ``comm.costmodel``, ``viz``, ``exercises.ex02``
+* 02 all-reduce from scratch: ``comm.allreduce``, ``comm.costmodel``, ``comm.sweep``, ``viz``, ``viz.costs``,
+  ``exercises.ex02``
 * 03 data parallelism from scratch: ``data_parallel`` (``mini_ddp``, ``training``, ``measure``), ``viz.training``,
   ``exercises.ex03``
 * 04 DDP in practice: ``data_parallel`` (``ddp_features``, ``training``), ``parallelism``, ``exercises.ex04``

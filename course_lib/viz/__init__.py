@@ -1,6 +1,7 @@
 """Presentation: the pictures, the interactive explorers and the source listings the notebooks show.
 
 * :mod:`.collectives`: what ranks hold before and after a collective; the ring's steps; all-reduce sweeps.
+* :mod:`.costs`: the α-β model next to measured all-reduce times.
 * :mod:`.training`: how a sampler shards the data, bucket timelines, overlap, torchrun's ranks, loss curves.
 * :mod:`.pipeline`: Gantt charts of pipeline schedules, simulated or measured.
 * :mod:`.tensor_parallel`: matrices split by columns and rows, DTensor placements, who holds what on a mesh.
