@@ -7,12 +7,16 @@ The learner writes ``fn(loss, model, opt, state, max_norm) -> bool``, one traini
 (then halves the scale and resets the count), and doubles the scale after ``growth_interval`` clean steps in a row
 (resetting the count). It returns whether the step was taken. ``opt.zero_grad()`` and the forward are the check's.
 
-:func:`check_scaled_step` trains a small MLP under fp16 autocast on the CPU for 16 steps (two steps overflow fp16 at
-the scale they meet, one batch holds a NaN, clipping binds on some steps) and compares, step by step, the scale,
-the skipped steps and the weights with ``GradScaler``'s own loop (:func:`gradscaler_loop`) on the same model and
-data. While the learner's function runs, ``torch.amp.GradScaler`` refuses to be built. A wrong step is recognised
-by what it did: stepped on inf (or on NaN only), kept or grew the scale where it should have halved, never grew,
-did not reset the count after growing or after a skip, clipped the scaled gradients, never unscaled, never clipped.
+:func:`check_scaled_step` trains a small MLP under fp16 autocast on the CPU for 16 steps (GradScaler skips steps
+1, 3 and 9, whose gradients overflow fp16 at the scale they meet, and step 13, whose batch holds a NaN; clipping
+binds on some clean steps) and compares, step by step, the scale, the skipped steps and the weights with
+``GradScaler``'s own loop (:func:`gradscaler_loop`) on the same model and data. Both step SGD with momentum
+(:func:`optimizer`): a step on zeroed gradients still moves the weights, so it cannot pass for a skip. While the
+learner's function runs, ``GradScaler`` refuses to be built under its public names (``torch.amp.GradScaler``,
+``torch.amp.grad_scaler.GradScaler``). A wrong step is recognised by what it did: stepped on inf (or on NaN only),
+stepped after replacing or zeroing the non-finite gradients, kept or grew the scale where it should have halved,
+never grew, did not reset the count after growing or after a skip, clipped the scaled gradients, never unscaled,
+never clipped, never scaled the loss.
 """
 from __future__ import annotations
 
@@ -23,8 +27,19 @@ from torch import nn
 
 from . import NOT_ATTEMPTED, Feedback, passed, wrong
 
-STEPS, INIT_SCALE, GROWTH_INTERVAL, MAX_NORM, LR = 16, 2.0**18, 3, 1.0, 0.1
+STEPS, INIT_SCALE, GROWTH_INTERVAL, MAX_NORM, LR, MOMENTUM = 16, 2.0**18, 3, 1.0, 0.1, 0.9
 NAN_STEP = 13
+
+
+def optimizer(model):
+    """The check's optimizer: SGD with momentum, so that ``opt.step()`` on zero gradients still moves the weights."""
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def reference(loss, model, opt, state, max_norm):
@@ -95,12 +110,13 @@ class _Refused:
 
 @contextlib.contextmanager
 def _no_gradscaler():
-    saved = torch.amp.GradScaler
-    torch.amp.GradScaler = _Refused
+    import torch.amp.grad_scaler as module
+    saved = torch.amp.GradScaler, module.GradScaler
+    torch.amp.GradScaler = module.GradScaler = _Refused
     try:
         yield
     finally:
-        torch.amp.GradScaler = saved
+        torch.amp.GradScaler, module.GradScaler = saved
 
 
 def _flat(ts):
@@ -138,14 +154,23 @@ def _what_step(d, g, scale, where):
     return None
 
 
+def _unscaled_loss(d, g1, scale) -> bool:
+    """Whether ``d`` (the learner's ``.grad`` on a skipped step) comes from a loss that was never scaled: the fp32
+    gradient at scale 1 (``g1``), possibly divided by the scale and/or clipped."""
+    if not torch.isfinite(d).all() or d.norm() == 0:
+        return False
+    clip = lambda v: v * min(1.0, MAX_NORM / (v.norm().item() + 1e-6))   # noqa: E731
+    return any(((d - v).norm() / v.norm()).item() < 1e-2 for v in (g1, clip(g1), g1 / scale, clip(g1) / scale))
+
+
 def check_scaled_step(fn) -> Feedback:
     """``fn(loss, model, opt, state, max_norm) -> bool`` must follow GradScaler's loop step for step."""
     if not callable(fn):
         return wrong(f"pass your function itself (without calling it), got {fn!r}")
     model, batches = model_and_data()
-    ref = gradscaler_loop(model, torch.optim.SGD(model.parameters(), lr=LR), batches)
+    ref = gradscaler_loop(model, optimizer(model), batches)
     model, _ = model_and_data()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = optimizer(model)
     state = {"scale": INIT_SCALE, "good_steps": 0, "growth_interval": GROWTH_INTERVAL}
     weights = [p.detach().clone() for p in model.parameters()]
     grew_at, skipped_at = [], []
@@ -174,11 +199,18 @@ def check_scaled_step(fn) -> Feedback:
                     return wrong(f"{where}: the gradients hold NaN but no inf, and you stepped: torch.isinf misses "
                                  "NaN. Test torch.isfinite(g).all() on every gradient")
                 return wrong(f"{where}: the gradients hold {kind}; you stepped anyway and the weights are now "
-                             "inf/NaN. When any gradient is not finite, skip opt.step()")
+                             "inf/NaN. When any gradient is not finite, skip opt.step(). (The loss itself is finite: "
+                             "fp16 overflows in the gradients, so test the gradients, not the loss)")
             if moved:
-                return wrong(f"{where}: GradScaler skipped this step (its scaled gradients overflowed fp16) but your "
-                             "weights moved with finite gradients: multiply the loss by state['scale'] before "
-                             "backward, so that the overflow happens where GradScaler's does")
+                d = _flat([torch.zeros_like(p) if p.grad is None else p.grad.detach().float()
+                           for p in model.parameters()])
+                if _unscaled_loss(d, _grads_at(weights, x, y, 1.0), r["scale"]):
+                    return wrong(f"{where}: GradScaler skipped this step (its scaled gradients overflowed fp16) but "
+                                 "your weights moved with finite gradients: multiply the loss by state['scale'] "
+                                 "before backward, so that the overflow happens where GradScaler's does")
+                return wrong(f"{where}: you stepped on an overflow step (after replacing or zeroing the non-finite "
+                             "gradients): when any gradient is inf or NaN, skip opt.step() altogether. Even zero "
+                             "gradients move the weights under momentum, weight decay or Adam")
             if took:
                 return wrong(f"{where}: you skipped the step (right) but returned True: return False for a skip")
             if scale == r["scale"]:
@@ -205,7 +237,7 @@ def check_scaled_step(fn) -> Feedback:
             want = r["scale after"]
             if scale != want:
                 if want > r["scale"] and scale == r["scale"]:
-                    return wrong(f"{where}: this is the {GROWTH_INTERVAL}th clean step in a row and GradScaler "
+                    return wrong(f"{where}: this is the {ordinal(GROWTH_INTERVAL)} clean step in a row and GradScaler "
                                  f"doubles its scale to {want:g}; yours stays {scale:g}. Count clean steps in "
                                  "state['good_steps'] and double the scale when the count reaches growth_interval "
                                  "(not one step later): without growth the scale only ever falls")
