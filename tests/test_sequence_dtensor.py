@@ -100,3 +100,15 @@ def test_megatrons_regather_keeps_a_slice_for_one_more_all_gather(n):
         assert r["re-gather"]["collectives"] == [("all-gather", "forward"), ("all-gather", "backward"),
                                                  ("reduce-scatter", "backward")]
         assert r["largest difference"] < 1e-6
+
+
+def test_two_d_with_sequence_parallelism_and_the_production_plan_trains_like_one_process():
+    from course_lib.models import LMTrainConfig, TransformerConfig, train_reference
+    from course_lib.tensor_parallel import training
+    cfg = LMTrainConfig(model=TransformerConfig(vocab=16, seq_len=16, dim=32, heads=4, layers=2, hidden=64),
+                        steps=4, batch_size=16, n=128, optimizer="sgd", lr=0.1)
+    reference = train_reference(cfg)
+    mesh_run = run(training.train_worker, 4, cfg, "2d-sp", show_output=False)[0]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(mesh_run["losses"], reference["losses"]))
+    assert max((mesh_run["first_grads"][k] - g).abs().max().item() for k, g in reference["first_grads"].items()) < 2e-7
+    assert max((mesh_run["state"][k] - w).abs().max().item() for k, w in reference["state"].items()) < 1e-6

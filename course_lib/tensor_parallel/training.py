@@ -6,7 +6,9 @@
   over all the ranks;
 * ``"dtensor"``: the same split with ``parallelize_module`` over a 1-D mesh of all the ranks;
 * ``"2d"``: a (data, tensor) mesh, ``tp`` ranks per tensor-parallel group: ``parallelize_module`` inside each
-  group, FSDP2 (``fully_shard``) across the groups, which each train on their slice of the global batch.
+  group, FSDP2 (``fully_shard``) across the groups, which each train on their slice of the global batch;
+* ``"2d-sp"``: the same with sequence parallelism, the production plan (:mod:`.production`: vocabulary-parallel
+  embedding and head) and the loss under ``loss_parallel()``.
 
 Each returns the loss of every step (the global batch's mean) and the weights, to compare with
 :func:`course_lib.models.train_reference`, one process on the global batch.
@@ -21,9 +23,10 @@ from ..data import make_token_dataset
 from ..models.transformer import LMTrainConfig, batch_indices, lm_loss, make_optimizer, transformer
 from .blocks import expected_shards, tensor_parallel_transformer
 from .dtensor import full, local, parallelize, transformer_plan
+from .production import production_plan
 from .random import RankGenerator, use_sharded_dropout
 
-LAYOUTS = ("tp", "dtensor", "2d")
+LAYOUTS = ("tp", "dtensor", "2d", "2d-sp")
 
 
 def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=None):
@@ -43,7 +46,7 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
         use_sharded_dropout(model, RankGenerator(cfg.seed, mesh.get_local_rank()))   # a stream per tp rank
         return parallelize(model, mesh, transformer_plan(cfg.model.layers)), 0, 1, None, mesh
-    if layout == "2d":
+    if layout in ("2d", "2d-sp"):
         from torch.distributed.fsdp import fully_shard
 
         from ..zero.fsdp2 import force_sum_on_gloo
@@ -53,8 +56,9 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         # attention's dropout acts on this rank's heads: a stream per tp rank, its coordinate on the mesh's tp
         # dimension (not get_rank() % tp, which assumes the mesh's layout)
-        use_sharded_dropout(model, RankGenerator(cfg.seed, mesh["tp"].get_local_rank()))
-        parallelize(model, mesh["tp"], transformer_plan(cfg.model.layers))   # TP first, inside each group...
+        use_sharded_dropout(model, RankGenerator(cfg.seed, mesh["tp"].get_local_rank()), layout == "2d-sp")
+        plan = transformer_plan(cfg.model.layers) if layout == "2d" else production_plan(cfg.model.layers)
+        parallelize(model, mesh["tp"], plan)                                  # TP first, inside each group...
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])                                # ...then FSDP2 across the groups
         fully_shard(model, mesh=mesh["dp"])
@@ -88,8 +92,15 @@ def train_worker(rank: int, world_size: int, cfg: LMTrainConfig, layout: str = "
     for idx in batch_indices(cfg):
         mine = idx[dp_rank * per_group:(dp_rank + 1) * per_group]   # this data-parallel group's slice
         opt.zero_grad()
-        loss = lm_loss(local(model(inputs[mine])), targets[mine])
-        loss.backward()
+        if layout == "2d-sp":   # vocabulary-sharded logits: the loss under loss_parallel, DTensor's
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                loss = lm_loss(model(inputs[mine]), targets[mine])
+                loss.backward()
+            loss = full(loss)
+        else:
+            loss = lm_loss(local(model(inputs[mine])), targets[mine])
+            loss.backward()
         if first_grads is None and layout != "tp":   # whole gradients, gathered from the shards (collectives)
             first_grads = {k: full(p.grad).detach().cpu() for k, p in model.named_parameters()}
         opt.step()
