@@ -141,6 +141,8 @@ def test_a_bf16_ring_loses_more_with_every_rank_and_an_fp32_ring_does_not():
     assert all(a < b for a, b in zip(bf16, bf16[1:]))
     assert 0.002 < bf16[0] < 0.003 and 0.007 < bf16[2] < 0.009 and bf16[3] > 0.02
     assert 0.02 < ring_sum_error(512, noise=3.0) < 0.03              # more noise: the lower end of 2-7%
+    same = [ring_sum_error(n, noise=0.0) for n in (2, 8, 64, 512)]   # identical gradients: the worst case
+    assert all(a < b for a, b in zip(same, same[1:])) and same[3] > 0.25 > ring_sum_error(512)
     assert ring_sum_error(512, torch.float32) < 1e-6
 
 
@@ -184,6 +186,7 @@ def test_accumulation_is_exact_with_masked_targets_only_when_normalised_by_the_g
     assert r[0]["tokens per micro-batch"] != r[1]["tokens per micro-batch"]       # the premise: counts differ
     for one in r:
         assert one["global token count"] < 1e-5 and one["per micro-batch mean"] > 0.05
+        assert abs(one["size without x W"] - 0.5) < 1e-4          # DDP averages: without x W, half-size gradients
 
 
 def test_a_bf16_model_loses_most_updates_at_a_small_learning_rate():
@@ -201,3 +204,10 @@ def test_fp32_gradient_accumulation_holds_18_bytes_and_bf16_accumulation_drifts_
     assert few["per_parameter"] == many["per_parameter"] == {
         "bf16 weights": 2, "fp32 gradients": 4, "fp32 master weights": 4, "optimizer states": 8, "total": 18}
     assert many["bf16_accumulation_error"] > few["bf16_accumulation_error"] > 0
+
+
+def test_sharded_grad_scaler_skips_on_every_rank_when_one_rank_overflows():
+    from course_lib.precision.scaling import sharded_skip_worker
+    r = run(sharded_skip_worker, 2, backend="gloo", show_output=False)
+    assert [one["GradScaler"]["skipped"] for one in r] == [True, False]          # plain: the ranks disagree
+    assert all(one["ShardedGradScaler"]["skipped"] and one["ShardedGradScaler"]["scale after"] == 2.0**7 for one in r)

@@ -4,8 +4,9 @@ A batch of B sequences split into k micro-batches of B/k, each loss divided by k
 (the gradients add up in ``.grad``), gives the gradient of the whole batch: one optimizer step, the same
 result, *when every micro-batch and every rank holds the same number of loss tokens*. With padding,
 ``ignore_index`` or packed documents they differ, and the mean of per-micro-batch means is not the mean over
-all tokens: divide each micro-batch's summed loss by the loss tokens of all micro-batches on all ranks
-(:func:`masked_accumulation_worker`). What changes:
+all tokens: divide each micro-batch's summed loss by the loss tokens of all micro-batches on all ranks, times the
+number of ranks, since DDP averages over them (:func:`global_token_step`, :func:`masked_accumulation_worker`).
+What changes:
 
 * **memory**: only one micro-batch's activations are alive at a time, so activation bytes fall k-fold (the
   weights, gradients and optimizer states do not change);
@@ -105,43 +106,66 @@ def masked_targets(cfg, n: int, seed: int = 0):
     return x, y
 
 
-def masked_accumulation_worker(rank: int, world_size: int, cfg, batch: int = 8, k: int = 2, seed: int = 0) -> dict:
-    """Gradient accumulation with masked targets: ``batch`` sequences over ``world_size`` ranks, each rank's share
-    in ``k`` micro-batches, against one process on the whole batch (the mean over every loss token). Two ways to
-    normalise: ``"per micro-batch mean"`` (each micro-batch's mean loss / k, gradients averaged over ranks, what
-    ``lm_loss(...) / k`` does) and ``"global token count"`` (each micro-batch's *summed* loss divided by the loss
-    tokens of all micro-batches on all ranks, found with one all-reduce; gradients summed over ranks).
-    Returns each one's largest gradient difference from one process, relative to the largest gradient."""
-    import torch
+def lm_loss_sum(logits, targets):
+    """Cross-entropy of the next token, *summed* over the loss tokens (targets ``-100`` are left out)."""
     import torch.nn.functional as F
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
 
+
+def global_token_step(model, micro_batches, world_size: int) -> None:
+    """One accumulation step under DDP, normalised by the global token count: each micro-batch's *summed* loss is
+    divided by the loss tokens of all micro-batches on all ranks, times ``world_size`` because DDP divides the
+    gradients it sums by the number of ranks. All but the last backward run inside ``no_sync()``."""
+    import torch
+
+    mine = sum(int((yb != -100).sum()) for _, yb in micro_batches)
+    total = torch.tensor(float(mine), device=micro_batches[0][1].device)
+    dist.all_reduce(total)                                          # loss tokens on every rank, all micro-batches
+    for i, (xb, yb) in enumerate(micro_batches):
+        quiet = model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with quiet:
+            (lm_loss_sum(model(xb), yb) / total * world_size).backward()
+
+
+def masked_accumulation_worker(rank: int, world_size: int, cfg, batch: int = 8, k: int = 2, seed: int = 0) -> dict:
+    """Gradient accumulation with masked targets under DDP (``no_sync`` on all but the last micro-batch, tensors on
+    the rank's device): ``batch`` sequences over ``world_size`` ranks, each rank's share in ``k`` micro-batches,
+    against one process on the whole batch (the mean over every loss token). Three ways to normalise:
+    ``"per micro-batch mean"`` (each micro-batch's mean loss / k, what ``lm_loss(...) / k`` does),
+    ``"global token count"`` (:func:`global_token_step`) and ``"global token count without x W"`` (the same,
+    without the factor ``world_size``). Returns each one's largest gradient difference from one process, relative
+    to the largest gradient, and under ``"size without x W"`` the norm of that last way's gradients over the exact
+    ones' (``1 / world_size``)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..hardware import rank_device
     from ..models.transformer import transformer
 
-    x, y = masked_targets(cfg, batch, seed)
+    device = rank_device()
+    x, y = (t.to(device) for t in masked_targets(cfg, batch, seed))
     per_rank = batch // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-
-    def loss_sum(model, xb, yb):
-        logits = model(xb)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=-100,
-                               reduction="sum")
+    micro = list(zip(x[mine].chunk(k), y[mine].chunk(k)))
 
     def grads(model):
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    one = transformer(cfg, seed=seed)
-    (loss_sum(one, x, y) / (y != -100).sum()).backward()         # one process: the mean over every loss token
+    one = transformer(cfg, seed=seed).to(device)
+    (lm_loss_sum(one(x), y) / (y != -100).sum()).backward()      # one process: the mean over every loss token
     exact = grads(one)
-    out = {"tokens per micro-batch": [int((yb != -100).sum()) for yb in y[mine].chunk(k)]}
-    for way in ("per micro-batch mean", "global token count"):
-        model = transformer(cfg, seed=seed)
-        total = torch.tensor(float((y[mine] != -100).sum()))
-        dist.all_reduce(total)                                    # loss tokens on every rank, all micro-batches
-        for xb, yb in zip(x[mine].chunk(k), y[mine].chunk(k)):
-            s = loss_sum(model, xb, yb)
-            (s / (yb != -100).sum() / k if way == "per micro-batch mean" else s / total).backward()
-        g = grads(model)
-        dist.all_reduce(g)                                        # what DDP does: sum, then (mean) divide by W
-        g = g / world_size if way == "per micro-batch mean" else g
+    out = {"tokens per micro-batch": [int((yb != -100).sum()) for _, yb in micro]}
+    for way in ("per micro-batch mean", "global token count", "global token count without x W"):
+        model = DDP(transformer(cfg, seed=seed).to(device))
+        if way == "per micro-batch mean":
+            for i, (xb, yb) in enumerate(micro):
+                with model.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    (lm_loss_sum(model(xb), yb) / (yb != -100).sum() / k).backward()
+        else:
+            global_token_step(model, micro, world_size if way == "global token count" else 1)
+        g = grads(model.module)
         out[way] = ((g - exact).abs().max() / exact.abs().max()).item()
+        if way.endswith("without x W"):
+            out["size without x W"] = (g.norm() / exact.norm()).item()
     return out

@@ -55,7 +55,8 @@ def underflow_report(cfg, tokens: torch.Tensor, targets: torch.Tensor, loss_fact
 def scaler_run(cfg, steps: int = 24, batch: int = 8, init_scale: float = 2.0**20, growth_interval: int = 4,
                lr: float = 3e-3, seed: int = 0) -> dict:
     """Train under fp16 autocast with ``GradScaler``: per step the scale used, whether the step was skipped
-    (the weights unchanged, found by comparing them), and the loss. On the CPU (``GradScaler("cpu")``)."""
+    (the weights unchanged, found by comparing them), and the loss; ``"weights_finite"``: whether every final
+    weight is finite. On the CPU (``GradScaler("cpu")``)."""
     from ..data import make_token_dataset
     inputs, targets = make_token_dataset(steps * batch, cfg.seq_len, cfg.vocab, seed=seed).tensors
     model = transformer(cfg, seed=seed)
@@ -74,4 +75,30 @@ def scaler_run(cfg, steps: int = 24, batch: int = 8, init_scale: float = 2.0**20
         out["skipped"].append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
         out["loss"].append(loss.item())
     out["final_scale"] = scaler.get_scale()
+    out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def sharded_skip_worker(rank: int, world_size: int) -> dict:
+    """One loss-scaled step on every rank where only rank 0's gradient holds an inf, under ``GradScaler`` and under
+    FSDP's ``ShardedGradScaler`` (which all-reduces its found-inf flag before deciding). Returns per scaler whether
+    this rank skipped its step (weights unchanged) and its scale after ``update()``."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from ..hardware import rank_device
+    device = rank_device()
+    out = {}
+    for name, make in (("GradScaler", torch.amp.GradScaler), ("ShardedGradScaler", ShardedGradScaler)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make(device.type, init_scale=2.0**8)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(torch.ones(2, 4, device=device)).sum()).backward()
+        if rank == 0:
+            model.weight.grad[0, 0] = float("inf")          # this rank's shard overflowed; the others' did not
+        scaler.step(opt)
+        scaler.update()
+        out[name] = {"skipped": all(torch.equal(b, p) for b, p in zip(before, model.parameters())),
+                     "scale after": scaler.get_scale()}
     return out
