@@ -79,7 +79,7 @@ NOTEBOOKS: list[Notebook] = [
              85, 105),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
-             "block; communication per block", 0, "full", 40, 90, 150),
+             "block; communication per block", 0, "full", 40, 90, 145),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
              "a 2×2 mesh with FSDP2", 0, "full", 70, 90, 115),

@@ -10,9 +10,10 @@ from course_lib import tensor_parallel as tp
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex11
 
 
-def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=True, extra_forward=None):
+def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=True, extra_forward=None,
+           broadcast=False, in_place=False, undefined_name=False):
     """An f with the all-reduce in the forward or not, 0, 1 or 2 all-reduces in the backward, with or without the
-    group."""
+    group; a broadcast forward; an in-place all-reduce of the gradient; a name never imported."""
     class MyF(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, group):
@@ -20,6 +21,9 @@ def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=Tr
             if forward_reduce:
                 x = x.clone()
                 dist.all_reduce(x, group=ctx.group)
+            if broadcast:
+                x = x.clone()
+                dist.broadcast(x, src=dist.get_process_group_ranks(ctx.group or dist.group.WORLD)[0], group=ctx.group)
             if extra_forward:
                 dist.barrier(group=ctx.group)
                 dist.all_reduce(torch.zeros(1, dtype=x.dtype), group=ctx.group)
@@ -27,7 +31,9 @@ def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=Tr
 
         @staticmethod
         def backward(ctx, grad):
-            grad = grad.clone()
+            if undefined_name:
+                eval("distt").all_reduce(grad)        # a NameError, as from a module never imported in the kernel
+            grad = grad if in_place else grad.clone()
             for _ in range(backward_reduces):
                 dist.all_reduce(grad, group=ctx.group)
             return (grad / dist.get_world_size(ctx.group) if average else grad), None
@@ -58,6 +64,9 @@ def test_the_stub_is_not_attempted():
     (make_f(average=True), "averaged"),
     (make_f(use_group=False), "not over the group of 2"),
     (make_f(extra_forward=True), "your forward ran collectives"),
+    (make_f(broadcast=True), "the forward changed x (rank 1 got"),    # rank 0, the source, is unchanged
+    (make_f(in_place=True), "all-reduced the gradient it was handed in place"),
+    (make_f(undefined_name=True), "never imported in this kernel"),
     (lambda x, group: x.detach() + 0, "no gradient reached x"),
     (lambda x, group: x * 2, "the forward changed x"),
     (lambda x, group: [x], "returned a list"),
@@ -87,7 +96,8 @@ def test_a_deadlock_is_an_error_not_a_hang():
 # --- exercise 2: the column- and row-parallel layers ---------------------------------------------------------
 
 def make_layers(column_dim=0, row_dim=1, f_entry=True, g_exit=True, bias_before=False, global_rank=False,
-                split_row_bias=False, world_size_of_world=False):
+                split_row_bias=False, world_size_of_world=False, row_bias_divided=False, interleaved=False,
+                column_bias=True, column_whole_bias=False):
     """A column- and a row-parallel layer as a learner writes them, with one mistake or none."""
     def rank_and_size(group):
         rank = dist.get_rank() if global_rank else dist.get_rank(group)
@@ -99,13 +109,19 @@ def make_layers(column_dim=0, row_dim=1, f_entry=True, g_exit=True, bias_before=
             self.group = group
             rank, n = rank_and_size(group)
             size = linear.weight.shape[column_dim] // n
-            self.weight = nn.Parameter(linear.weight.detach().narrow(column_dim, rank * size, size).clone())
-            self.bias = nn.Parameter(linear.bias.detach()[rank * size:(rank + 1) * size].clone())
+            mine = slice(rank, None, n) if interleaved else slice(rank * size, (rank + 1) * size)
+            weight = linear.weight.detach()
+            self.weight = nn.Parameter((weight[mine] if column_dim == 0 else weight[:, mine]).clone())
+            bias = linear.bias.detach()
+            if column_bias:
+                self.bias = nn.Parameter((bias if column_whole_bias else bias[mine]).clone())
+            else:
+                self.b = nn.Parameter(bias[mine].clone())    # the bias under another name
 
         def forward(self, x):
             if f_entry:
                 x = tp.f(x, self.group)
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias if column_bias else self.b)
 
     class Row(nn.Module):
         def __init__(self, linear, group):
@@ -113,14 +129,18 @@ def make_layers(column_dim=0, row_dim=1, f_entry=True, g_exit=True, bias_before=
             self.group = group
             rank, n = rank_and_size(group)
             size = linear.weight.shape[row_dim] // n
-            self.weight = nn.Parameter(linear.weight.detach().narrow(row_dim, rank * size, size).clone())
+            mine = slice(rank, None, n) if interleaved else slice(rank * size, (rank + 1) * size)
+            weight = linear.weight.detach()
+            self.weight = nn.Parameter((weight[:, mine] if row_dim == 1 else weight[mine]).clone())
             bias = linear.bias.detach()
-            self.bias = nn.Parameter((bias.chunk(n)[rank] if split_row_bias else bias).clone())
+            self.bias = nn.Parameter((bias.chunk(n)[rank] if split_row_bias else bias / n if row_bias_divided
+                                      else bias).clone())
 
         def forward(self, x):
-            partial = F.linear(x, self.weight, self.bias if bias_before else None)
+            before = bias_before or row_bias_divided
+            partial = F.linear(x, self.weight, self.bias if before else None)
             y = tp.g(partial, self.group) if g_exit else partial
-            return y if bias_before else y + self.bias
+            return y if before else y + self.bias
 
     return Column, Row
 
@@ -149,6 +169,10 @@ def test_the_parallel_mlp_stub_is_not_attempted():
     (dict(global_rank=True), "not the global rank"),
     (dict(split_row_bias=True), "split its bias"),
     (dict(world_size_of_world=True), "the group's size, not the world's"),
+    (dict(row_bias_divided=True), "The row layer's bias must be the whole bias, added once after g"),
+    (dict(interleaved=True), "interleaved split"),
+    (dict(column_bias=False), "up.bias is missing"),
+    (dict(column_whole_bias=True), "the column-parallel layer kept the whole bias"),
 ])
 def test_parallel_mlp_mistakes_are_named(kwargs, phrase):
     fb = ex11.check_parallel_mlp(*make_layers(**kwargs))
@@ -196,4 +220,4 @@ def test_end_exercise_1_the_solutions_g_passes_and_a_g_reducing_backward_fails()
     Column, _ = make_layers()
     assert ex11.check_parallel_mlp(Column, _row_with(SolutionG.apply)).status == PASSED
     fb = ex11.check_parallel_mlp(Column, _row_with(GReducingTwice.apply))
-    assert fb.status == WRONG and "the input's gradient differs" in fb.message, fb
+    assert fb.status == WRONG and "g's backward is the identity" in fb.message, fb

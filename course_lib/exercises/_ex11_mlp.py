@@ -4,7 +4,9 @@ The learner writes two classes, ``column(linear, group)`` and ``row(linear, grou
 ``nn.Linear`` that every rank holds alike. The check swaps them into a copy of an MLP (``up`` column-parallel,
 GELU, ``down`` row-parallel: the MLP's own ``forward``) and runs it on 4 ranks, as two groups of 2 and as one
 group of 4, each group on its own input. The output, the input's gradient and each parameter's gradient (against
-the slice of the unsplit gradient this rank holds) must equal the unsplit MLP's, in float64; the collectives are
+the slice of the unsplit gradient this rank holds) must equal the unsplit MLP's, in float64. Each parameter's
+*value* must be this rank's contiguous slice of the full layer's (a row bias divided by n gives the right output and
+gradients, but the sum over the ranks, the effective bias, then moves n times too fast). The collectives are
 counted: one all-reduce in the forward (``g``) and one in the backward (``f``). The library's own layers are
 switched off in the worker, so an answer that wraps them is refused. Each usual mistake is named.
 """
@@ -19,10 +21,21 @@ import torch.distributed as dist
 from ..comm.record import CollectiveLog
 from ..models.transformer import MLP
 from ..tensor_parallel import blocks, layers
-from . import passed, run_attempt, wrong
+from . import Feedback, passed, run_attempt, wrong
 
 GROUPS = ([0, 1], [2, 3])
 DIM, HIDDEN = 8, 16
+TIMEOUT = 90   # a first launch in a fresh kernel takes 15-20 s on a busy 2-core machine
+NAMES = ("up.weight", "up.bias", "down.weight", "down.bias")
+ERROR_HINTS = {"is not defined": "a name your code uses was never imported in this kernel: run the cell with its "
+                                 "imports (import torch.distributed as dist, ...) first, then this one again"}
+
+
+def with_died_hint(feedback: Feedback, hint: str) -> Feedback:
+    """``feedback`` with ``hint`` added when a rank died without a Python error (an abort)."""
+    if feedback.status == "wrong" and " died (exit code" in feedback.message:
+        return wrong(f"{feedback.message}\nHint: {hint}")
+    return feedback
 
 
 def make_groups(rank: int):
@@ -48,10 +61,23 @@ def library_switched_off():
             cls.__init__ = init
 
 
-def _shape(module, name: str):
+def _tensor(module, name: str):
     layer, attr = name.split(".")
     t = getattr(getattr(module, layer), attr, None)
-    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _shape(module, name: str):
+    t = _tensor(module, name)
+    return None if t is None else tuple(t.shape)
+
+
+def _slices(full, r: int, n: int, step: bool = False) -> dict:
+    """This rank's values of the full MLP's parameters: the contiguous block r of n, or every n-th (``step``)."""
+    k = HIDDEN // n
+    mine = slice(r, HIDDEN, n) if step else slice(r * k, (r + 1) * k)
+    return {"up.weight": full.up.weight[mine], "up.bias": full.up.bias[mine],
+            "down.weight": full.down.weight[:, mine], "down.bias": full.down.bias}
 
 
 def _want(n: int) -> dict:
@@ -78,10 +104,12 @@ def _one(rank: int, column, row, group, members: list[int]) -> dict:
         p.grad = None
     with library_switched_off():
         part.up, part.down = column(full.up, group), row(full.down, group)
-    shapes = {k: _shape(part, k) for k in ("up.weight", "up.bias", "down.weight", "down.bias")}
+    shapes = {k: _shape(part, k) for k in NAMES}
     base = {"n": n, "rank in group": r, "global rank": rank, "shapes": shapes}
     if shapes != _want(n):
         return {"type": "wrong shapes", **base}         # named by _shape_message, before a forward that would raise
+    values = {k: _tensor(part, k).detach().clone() for k in NAMES}
+    base.update(values=values, contiguous=_slices(full, r, n), interleaved=_slices(full, r, n, step=True))
     x_part = x.clone().requires_grad_()
     with CollectiveLog() as log:
         y = part(x_part)
@@ -115,6 +143,10 @@ def _close(a, b) -> bool:
 def _shape_message(r, where) -> str | None:
     n, s = r["n"], r["shapes"]
     want = _want(n)
+    missing = [k for k in want if s[k] is None]
+    if missing:
+        return (f"{where}: {missing[0]} is missing (no tensor attribute of that name): each layer keeps its slices "
+                "as nn.Parameters named self.weight and self.bias.")
     if s["up.weight"] == (HIDDEN, DIM // n):
         return (f"{where}: the column-parallel layer kept columns of W, shape {s['up.weight']}. Column-parallel "
                 f"splits the output features: keep rows of W (linear.weight[rows]), shape {want['up.weight']}.")
@@ -125,6 +157,9 @@ def _shape_message(r, where) -> str | None:
         if s[k] is not None and 0 in s[k]:
             return (f"{where}: rank {r['global rank']}'s {k} is empty, shape {s[k]}: slice by the rank in the group, "
                     "dist.get_rank(group), not the global rank.")
+    if s["up.weight"] == want["up.weight"] and s["up.bias"] == (HIDDEN,):
+        return (f"{where}: the column-parallel layer kept the whole bias, shape {s['up.bias']}: it adds one bias per "
+                f"output feature, so keep the same rows of the bias as of W, shape {want['up.bias']}.")
     if s["down.bias"] == (DIM // n,):
         return (f"{where}: the row-parallel layer split its bias: every rank adds the whole bias of the output, once, "
                 "after the all-reduce.")
@@ -135,10 +170,31 @@ def _shape_message(r, where) -> str | None:
     return None
 
 
+def _value_message(r, where) -> str | None:
+    n, rank = r["n"], r["global rank"]
+    if not _close(r["values"]["down.bias"], r["contiguous"]["down.bias"]):
+        return (f"{where}: rank {rank}'s down.bias is not the full layer's bias. The row layer's bias must be the "
+                "whole bias, added once after g. (Dividing it by the group's size gives the right output, but each "
+                "rank's copy then gets the whole gradient: the effective bias, their sum, trains n times too fast.)")
+    if n > 1 and all(_close(r["values"][k], r["interleaved"][k]) for k in NAMES):
+        return (f"{where}: rank {rank} kept every {n}-th hidden unit (linear.weight[r::n]). That interleaved split "
+                "computes the same MLP, but this course (and Megatron-LM's checkpoints) give rank r the r-th "
+                "contiguous block: linear.weight[r*k:(r+1)*k] with k = out_features // n (columns for the row layer).")
+    for k in NAMES:
+        if not _close(r["values"][k], r["contiguous"][k]):
+            return (f"{where}: rank {rank}'s {k} is not its slice of the full layer's {k}: rank r of n keeps the "
+                    "r-th contiguous block of the hidden units, copied from linear.weight and linear.bias.")
+    return None
+
+
 def _message(results: list[dict], where: str) -> str | None:
     r0 = results[0]
     for r in results:
         m = _shape_message(r, where)
+        if m:
+            return m
+    for r in results:
+        m = _value_message(r, where)
         if m:
             return m
     if r0["type"] != "Tensor":
@@ -155,10 +211,13 @@ def _message(results: list[dict], where: str) -> str | None:
     if not r0["backward"]:
         return (f"{where}: no collective in the backward: the column-parallel layer's input gradient holds only its "
                 "own slice's share. Pass the input through f first (tp.f(x, group)).")
+    if len(r0["backward"]) > 1 and not all(_close(r["input grad"], r["input grad full"]) for r in results):
+        return (f"{where}: the backward ran {r0['backward']}, more than f's one all-reduce. g's backward is the "
+                "identity: an all-reduce there makes every gradient before g t times too large.")
     if not all(_close(r["input grad"], r["input grad full"]) for r in results):
         return (f"{where}: the input's gradient differs from the unsplit MLP's: f at the column layer's entry, "
                 "with the group (tp.f(x, group))?")
-    for k in ("up.weight", "up.bias", "down.weight", "down.bias"):
+    for k in NAMES:
         bad = [r["global rank"] for r in results if not _close(r["grads"][k], r["expected"][k])]
         if bad:
             return (f"{where}: {k}'s gradient on rank {bad[0]} is not the slice of the unsplit gradient it holds: "
@@ -177,14 +236,15 @@ def check_parallel_mlp(column, row):
     for what in (column, row):
         if not isinstance(what, type):
             return wrong(f"pass the classes themselves (MyColumnParallel, MyRowParallel), got {what!r}")
-    results, feedback = run_attempt(worker, 4, column, row, timeout=30,
-                                    timeout_hint="every rank must call the same collectives, with the same group",
+    results, feedback = run_attempt(worker, 4, column, row, timeout=TIMEOUT,
+                                    timeout_hint="every rank must call the same collectives, with the same group "
+                                                 "(or the machine is very busy: run the cell again)",
                                     error_hints={"shapes cannot be multiplied": "a layer kept the wrong slice: "
                                                  "column-parallel keeps rows of W, row-parallel columns",
                                                  "exceeds dimension size": RANK_HINT, "out of range": RANK_HINT,
-                                                 "out of bounds": RANK_HINT})
+                                                 "out of bounds": RANK_HINT, **ERROR_HINTS})
     if feedback is not None:
-        return feedback
+        return with_died_hint(feedback, "every rank must call the same collectives, with the same group")
     for name in ("groups of 2", "one group of 4"):
         message = _message([r[name] for r in results], f"on 4 ranks as {name}")
         if message:

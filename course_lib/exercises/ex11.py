@@ -5,8 +5,11 @@
    group. Every rank gets a different ``x`` (a forward that communicates changes it) and a different weight
    ``w_rank`` in its loss ``(fn(x, group) * w_rank).sum()``, so the right input gradient is the sum of the
    ``w_rank`` over the group, and an all-reduce over every rank instead of the group gives another sum. The
-   collectives are counted: none in the forward, one all-reduce in the backward. Then ``fn`` goes at the entry of
-   a column → row MLP, whose input gradient must equal the unsplit MLP's.
+   collectives are counted: none in the forward, one all-reduce in the backward (``CollectiveLog`` counts
+   all-reduces, all-gathers and reduce-scatters; a broadcast or a send in the forward shows in ``y`` instead).
+   The backward is handed a gradient tensor of the check's own, which must come back unchanged: autograd may
+   hand ``backward`` an expanded view (after ``.sum()``), where an in-place all-reduce aborts the rank. Then
+   ``fn`` goes at the entry of a column → row MLP, whose input gradient must equal the unsplit MLP's.
 2. ``column(linear, group)`` and ``row(linear, group)`` (:func:`check_parallel_mlp`, in :mod:`._ex11_mlp`):
    the two layers of a split MLP, equal to the unsplit one with every gradient.
 """
@@ -21,9 +24,13 @@ from ..models.transformer import MLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.operators import f as reference_f  # noqa: F401 (the reference solution)
 from . import passed, run_attempt, wrong
-from ._ex11_mlp import GROUPS, check_parallel_mlp, make_groups  # noqa: F401 (exercise 2)
+from ._ex11_mlp import ERROR_HINTS, GROUPS, check_parallel_mlp, make_groups, with_died_hint  # noqa: F401
 
 WORLD = 4
+TIMEOUT = 90   # a first launch in a fresh kernel takes 15-20 s on a busy 2-core machine
+DIED_HINT = ("a rank aborts when it calls a collective its partners never call (every rank must call "
+             "dist.all_reduce: no `if rank == 0`), or when it all-reduces in place a gradient that is an expanded "
+             "view: all-reduce a copy, grad.clone()")
 
 
 def _probe(rank, fn, group, members):
@@ -33,12 +40,14 @@ def _probe(rank, fn, group, members):
         y = fn(x, group)
         if not isinstance(y, torch.Tensor):
             return {"type": type(y).__name__}
+        incoming = weights[rank].clone()                    # the gradient handed to backward, as autograd does
         with log.during("backward"):
             if y.requires_grad:
-                (y * weights[rank]).sum().backward()
+                y.backward(incoming)
     xs = [torch.linspace(-1.0, 1.0, 6, dtype=torch.float64) + 10 * r for r in range(WORLD)]
-    return {"type": "Tensor", "y": y.detach().clone(), "x": x.detach(), "n": len(members),
+    return {"type": "Tensor", "rank": rank, "y": y.detach().clone(), "x": x.detach(), "n": len(members),
             "grad": None if x.grad is None else x.grad.clone(), "own": weights[rank],
+            "in place": not torch.equal(incoming, weights[rank]),
             "sum": sum(weights[r] for r in members), "world sum": sum(weights),
             "x sum": sum(xs[r] for r in members), "x world sum": sum(xs),
             "forward": [c.kind for c in log.records if c.phase == "forward"],
@@ -88,9 +97,10 @@ def _forward_message(results, where) -> str | None:
                     "backward only.")
         return (f"{where}: your forward ran collectives {r0['forward']}: f's forward is the identity and sends "
                 "nothing.")
-    if not all(_close(r["y"], r["x"]) for r in results):
-        return (f"{where}: the forward changed x (rank 0 got {r0['y'][:3].tolist()}... for {r0['x'][:3].tolist()}"
-                "...): f's forward returns x unchanged.")
+    bad = next((r for r in results if not _close(r["y"], r["x"])), None)
+    if bad is not None:
+        return (f"{where}: the forward changed x (rank {bad['rank']} got {bad['y'][:3].tolist()}... for "
+                f"{bad['x'][:3].tolist()}...): f's forward returns x unchanged and sends nothing.")
     return None
 
 
@@ -116,6 +126,11 @@ def _backward_message(results, where) -> str | None:
     if bad is not None:
         return (f"{where}: rank {bad}'s input gradient is {grads[bad][:3].tolist()}..., expected the sum over its "
                 f"group {results[bad]['sum'][:3].tolist()}...")
+    if any(r["in place"] for r in results):
+        return (f"{where}: the values are right, but your backward all-reduced the gradient it was handed in place. "
+                "Autograd may hand backward an expanded view (after y.sum(), a stride-0 tensor), where an in-place "
+                "all-reduce aborts the rank, or a tensor another branch still reads: all-reduce a copy, "
+                "grad.clone().")
     if results[0]["backward"] != ["all-reduce"]:
         return (f"{where}: the gradient is right, but your backward ran {results[0]['backward']}: f's backward is "
                 "one all-reduce.")
@@ -124,17 +139,17 @@ def _backward_message(results, where) -> str | None:
 
 def check_f(fn):
     """``fn(x, group)`` must be the identity forward and all-reduce the gradient over ``group`` backward."""
-    hint = ("A rank waits in a collective that another rank never calls: every rank must call dist.all_reduce "
-            "in backward (no `if rank == 0`).")
-    results, feedback = run_attempt(worker, WORLD, fn, timeout=30, timeout_hint=hint,
+    hint = ("Either a rank waits in a collective that another rank never calls (every rank must call "
+            "dist.all_reduce in backward: no `if rank == 0`), or the machine is very busy: run the cell again.")
+    results, feedback = run_attempt(worker, WORLD, fn, timeout=TIMEOUT, timeout_hint=hint,
                                     error_hints={"positional argument": "f takes (x, group): my_f(x, group) "
                                                  "returns MyF.apply(x, group), and backward returns a gradient "
                                                  "for each input: (grad, None)",
                                                  "returned an incorrect number of gradients":
                                                  "backward returns one gradient per input of forward: (grad, None) "
-                                                 "for (x, group)"})
+                                                 "for (x, group)", **ERROR_HINTS})
     if feedback is not None:
-        return feedback
+        return with_died_hint(feedback, DIED_HINT)
     for name in ("groups of 2", "one group of 4"):
         where = f"on {WORLD} ranks as {name}"
         probes = [r[name]["probe"] for r in results]
