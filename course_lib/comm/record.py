@@ -60,6 +60,13 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
+def nbytes_of(args, out) -> int:
+    """The bytes of a collective's whole buffer: the largest argument (or output), a list counted as the sum of
+    its tensors. So the list forms count like the one-tensor forms: ``dist.all_gather(parts, t)`` is the bytes of
+    all of ``parts``, ``dist.reduce_scatter(t, chunks)`` the bytes of all the chunks."""
+    return max((sum(t.numel() * t.element_size() for t in _tensors(a)) for a in (*args, out)), default=0)
+
+
 class Phased:
     """What the course's logs share: ``with log.during("backward"): ...`` labels what runs inside with a phase
     (``self.phase``), and the previous label comes back after it."""
@@ -89,8 +96,7 @@ class CollectiveLog(Phased, TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         kind = kind_of(func.name())
         if kind is not None:
-            sizes = [t.numel() * t.element_size() for t in _tensors((args, out))]
-            self.records.append(Collective(kind, max(sizes, default=0), self.phase))
+            self.records.append(Collective(kind, nbytes_of(args, out), self.phase))
         return out
 
     def summary(self, world_size: int) -> dict:

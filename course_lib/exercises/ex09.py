@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.record import CollectiveLog
+from ..comm.record import COMM_NAMESPACES, Collective, CollectiveLog, nbytes_of
 from ..zero.flat import all_gather_single, reduce_scatter_single
 from . import passed, run_attempt, wrong
 
@@ -42,6 +42,19 @@ def zero1(flat_param: torch.Tensor, make_optimizer):
         optimizer.step()                                     # step this rank's slice
         all_gather_single(flat_param, shard)                 # every rank's updated slice, on every rank
     return step
+
+
+class _AnyCollective(CollectiveLog):
+    """Also records the communication operators outside all-reduce/all-gather/reduce-scatter (broadcast, reduce,
+    send...), under their own name, so that a message can name what the step really issued."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.records)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        namespace, _, name = func.name().partition("::")
+        if len(self.records) == before and namespace in COMM_NAMESPACES and "barrier" not in name:
+            self.records.append(Collective(name.split(".")[0].strip("_"), nbytes_of(args, out), self.phase))
+        return out
 
 
 def _problem(world_size: int):
@@ -79,7 +92,7 @@ def trial(rank: int, world_size: int, fn) -> dict:
     for t in range(STEPS):
         p = flat.clone().requires_grad_()
         _loss(p, x[t, mine], y[t, mine]).backward()
-        with CollectiveLog() as log:
+        with _AnyCollective() as log:
             step(p.grad)
         collectives.append([(c.kind, c.nbytes) for c in log.records])
     return {"final": flat.clone(), "built": built, "collectives": collectives}
@@ -88,16 +101,22 @@ def trial(rank: int, world_size: int, fn) -> dict:
 def _traffic_message(collectives: list, n: int) -> str | None:
     """Name a step whose collectives are not one reduce-scatter and one all-gather of the whole vector."""
     whole = SHAPE[0] * SHAPE[1] * 4
-    for kinds in collectives:
-        if any(kind == "all-reduce" and nbytes == whole for kind, nbytes in kinds):
+    for ops in collectives:
+        kinds = [kind for kind, _ in ops]
+        if sorted(ops) == [("all-gather", whole), ("reduce-scatter", whole)]:
+            continue
+        if kinds == ["all-reduce", "all-gather"] and ops[0][1] == whole:
             return ("your step all-reduces the whole gradient and keeps its slice: the weights are right, but every "
                     "rank receives the whole averaged gradient (ZeRO-1's memory at best) and the step sends an "
                     "all-reduce plus an all-gather, 1.5 x what DDP sends. Reduce-scatter it: each rank receives "
                     "only the sum of its own slice.")
-        if sorted(kinds) != [("all-gather", whole), ("reduce-scatter", whole)]:
-            return (f"on {n} ranks a step issued {[kind for kind, _ in kinds]} (bytes of each: "
-                    f"{[nbytes for _, nbytes in kinds]}); ZeRO-1's step is one reduce-scatter of the whole gradient "
-                    f"({whole} bytes) and one all-gather of the whole vector")
+        if kinds == ["reduce-scatter", "all-reduce"] and ops[1][1] == whole:
+            return ("your step reduce-scatters the gradient, then all-reduces the zero-padded parameters instead of "
+                    "all-gathering them: the weights are right, but an all-reduce sends 2 x an all-gather's bytes. "
+                    "All-gather the updated slices into flat_param.")
+        return (f"on {n} ranks a step issued {kinds} (bytes of each: {[nbytes for _, nbytes in ops]}); ZeRO-1's "
+                f"step is one reduce-scatter of the whole gradient ({whole} bytes) and one all-gather of the whole "
+                f"vector ({whole} bytes), nothing else")
     return None
 
 
@@ -147,7 +166,8 @@ def _diagnose(results: list[dict], n: int) -> str | None:
         return (f"on {n} ranks the weights moved as if the gradient were {n} times too large: the reduce-scatter "
                 "sums the ranks' gradients; divide by the world size to average them.")
     gap = max((f - expected).abs().max().item() for f in final)
-    return f"on {n} ranks flat_param differs from one process on the global batch by up to {gap:.2e}"
+    return (f"on {n} ranks flat_param differs from one process on the global batch by up to {gap:.2e}. Check the "
+            "order in step: reduce-scatter, divide, optimizer.step(), and only then all-gather the updated slices")
 
 
 def check_zero1(fn):
