@@ -88,7 +88,7 @@ NOTEBOOKS: list[Notebook] = [
              "budget (you choose it); chunked loss", 1, "partial", 60, 75, 100),
     Notebook("14_mixed_precision.ipynb", "Mixed precision",
              "fp32/bf16/fp16/fp8; master weights; the loss-scaling loop (you write it); bf16 on the wire at scale; "
-             "exact gradient accumulation", 2, "partial", 60, 85, 120),
+             "exact gradient accumulation", 2, "partial", 60, 90, 107),
     Notebook("15_context_parallel.ipynb", "Context parallelism",
              "one sequence over many ranks: the log-sum-exp merge; ring attention; zig-zag; all-gather K/V; Ulysses",
              0, "full", 15, 80, 105),
