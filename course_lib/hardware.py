@@ -149,10 +149,21 @@ def device_for_rank(local_rank: int, backend: str | None = None) -> torch.device
     return torch.device("cpu")
 
 
+def backend_kind() -> str:
+    """The running process group's backend as one word: ``'nccl'`` when NCCL serves it (also for a compound
+    backend such as ``'cuda:nccl,cpu:gloo'``), ``'gloo'`` for Gloo alone (also spelt ``'cpu:gloo'``), otherwise
+    the name ``dist.get_backend()`` gives. Compare this, never ``dist.get_backend()``'s exact string."""
+    name = str(dist.get_backend())
+    for kind in ("nccl", "gloo"):
+        if kind in name:
+            return kind
+    return name
+
+
 def rank_device() -> torch.device:
     """Where this rank's tensors live in a running process group: its own GPU under NCCL (chosen by its
     local rank), the CPU under Gloo (whose hand-written point-to-point paths need host memory)."""
-    if dist.get_backend() == "nccl":
+    if backend_kind() == "nccl":
         return device_for_rank(local_rank(), "nccl")
     return torch.device("cpu")
 

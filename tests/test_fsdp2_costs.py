@@ -4,6 +4,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 
 from course_lib.comm.record import Collective
 from course_lib.launch import run
@@ -182,3 +183,17 @@ def test_reshard_after_forward_to_2_of_4_ranks_gathers_backward_from_2():
     r = run(_reshard_to, 4, backend="gloo", show_output=False)[0]
     assert r[True] == [("forward", 4)] * 4 + [("backward", 4)] * 4           # 3 blocks and the head, twice
     assert r[2] == [("forward", 4)] * 4 + [("backward", 2)] * 4              # backward inside a pair of ranks
+
+
+def _backend_words(rank, world_size):
+    from course_lib import hardware
+    from course_lib.zero import flat
+    dist.init_process_group("cpu:gloo", rank=rank, world_size=world_size)
+    return {"name": dist.get_backend(), "kind": hardware.backend_kind(), "device": str(hardware.rank_device()),
+            "real reduce-scatter": flat.real_reduce_scatter()}
+
+
+def test_backend_named_cpu_gloo_is_gloo():
+    """init_process_group("cpu:gloo") names its backend 'cpu:gloo': the course's checks must still see Gloo."""
+    r = run(_backend_words, 1, init=False, show_output=False)[0]
+    assert r == {"name": "cpu:gloo", "kind": "gloo", "device": "cpu", "real reduce-scatter": False}

@@ -48,7 +48,8 @@ def require_process_group(what: str) -> None:
 
 def real_reduce_scatter() -> bool:
     """Whether the backend has a true reduce-scatter (NCCL) rather than an all-reduce in disguise (Gloo)."""
-    return dist.get_backend() == "nccl"
+    from ..hardware import backend_kind
+    return backend_kind() == "nccl"
 
 
 @contextmanager

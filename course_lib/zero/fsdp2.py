@@ -52,7 +52,7 @@ def force_sum_on_gloo(model: nn.Module) -> bool:
 
     ``set_force_sum_reduction_for_comms`` sets only the unit it is called on, so every unit gets it.
     """
-    if dist.get_backend() != "gloo":
+    if "gloo" not in str(dist.get_backend()):            # also 'cpu:gloo' and 'cuda:nccl,cpu:gloo'
         return False
     units = fsdp_units(model)
     if not units:
