@@ -61,6 +61,79 @@ def test_each_usual_mistake_is_named(no_leftovers):
         assert fb.status == WRONG and phrase in fb.message, (phrase, fb)
 
 
+class ListForm(torch.autograd.Function):
+    """Notebook 02's list forms: dist.all_gather into parts + torch.cat, dist.reduce_scatter of the chunks. Right."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, shard)
+        weight, bias = ex.unflatten(torch.cat(parts))
+        ctx.save_for_backward(x, shard)
+        return x @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, shard = ctx.saved_tensors
+        n = dist.get_world_size()
+        parts = [torch.empty_like(shard) for _ in range(n)]
+        dist.all_gather(parts, shard)
+        weight, _ = ex.unflatten(torch.cat(parts))
+        grad_flat = torch.cat([(grad_y.T @ x).reshape(-1), grad_y.sum(0)])
+        grad_shard = torch.empty_like(shard)
+        dist.reduce_scatter(grad_shard, list(grad_flat.chunk(n)))
+        return grad_y @ weight, grad_shard / n
+
+
+BUFFER = {}
+
+
+class ReusedBuffer(torch.autograd.Function):
+    """Every layer gathered into the same buffer (as FSDP's pools do): one layer whole at a time. Right."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        buffer = BUFFER.setdefault("whole", torch.empty(ex.NUMEL))
+        ex.all_gather_single(buffer, shard)
+        weight, bias = ex.unflatten(buffer)
+        ctx.save_for_backward(x, shard)
+        return x @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, shard = ctx.saved_tensors
+        ex.all_gather_single(BUFFER["whole"], shard)
+        weight, _ = ex.unflatten(BUFFER["whole"])
+        grad_flat = torch.cat([(grad_y.T @ x).reshape(-1), grad_y.sum(0)])
+        grad_shard = torch.empty_like(shard)
+        ex.reduce_scatter_single(grad_shard, grad_flat)
+        return grad_y @ weight, grad_shard / dist.get_world_size()
+
+
+class KeptOnCtx(ex.Zero3Linear):
+    """Keeps the whole weight on ctx (not through save_for_backward), and gathers again in backward anyway."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.kept = ex.gather(shard)
+        weight, bias = ex.unflatten(ctx.kept)
+        ctx.save_for_backward(x, shard)
+        return x @ weight.T + bias
+
+
+def test_right_answers_in_other_forms_pass_every_time(no_leftovers):
+    """The list forms and a reused buffer hold one layer whole at a time: they pass, run after run."""
+    for fn in (ListForm, ReusedBuffer, ListForm):
+        BUFFER.clear()
+        fb = ex.check_zero3(fn)
+        assert fb.status == PASSED, (fn.__name__, fb)
+
+
+def test_a_weight_kept_on_ctx_is_named(no_leftovers):
+    fb = ex.check_zero3(KeptOnCtx)
+    assert fb.status == WRONG and "never freed: after forward, 3 layers' whole parameters" in fb.message, fb
+
+
 def test_a_function_that_is_not_an_autograd_function_is_explained():
     fb = ex.check_zero3(lambda x, shard: x)
     assert fb.status == WRONG and "autograd Function class" in fb.message
