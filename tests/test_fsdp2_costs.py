@@ -8,13 +8,13 @@ import torch.distributed as dist
 
 from course_lib.comm.record import Collective
 from course_lib.launch import run
-from course_lib.zero import fsdp2_costs, measure
+from course_lib.zero import fsdp2_costs, fsdp2_meta, measure
 
 
 def _all(rank, world_size):
     out = {"order": fsdp2_costs.order_worker(rank, world_size, functools.partial(measure.deep_mlp, 32, 3)),
            "root": fsdp2_costs.root_reshard_worker(rank, world_size),
-           "meta": fsdp2_costs.meta_init_worker(rank, world_size, 32, 2)}
+           "meta": fsdp2_meta.meta_init_worker(rank, world_size, 32, 2)}
     for dtypes in ((None, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None)):
         out[dtypes] = fsdp2_costs.bytes_per_parameter_worker(rank, world_size, 16, *dtypes)
     for mode in ("sync", "no sync", "no sync, keep weights"):
@@ -49,7 +49,28 @@ def test_fsdp2_costs_on_two_ranks():
         assert torch.allclose(sync["grads"][name], keep["grads"][name], atol=1e-6)
     for m in (res["meta"] for res in results):
         assert m["after building"] == m["after fully_shard"] == 0 and m["after to_empty"] == m["whole"] // 2
-        assert (m["placement"], m["shape"], m["local shape"], m["finite"]) == ("S(0)", (32, 32), (16, 32), True)
+        assert (m["placement"], m["shape"], m["local shape"]) == ("S(0)", (32, 32), (16, 32))
+        assert m["shards differ"] and m["vs built whole"] == 0.0        # no duplicate neurons: BlockNet(seed) exactly
+
+
+def _reset_parameters_on_cpu_mesh(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.zero import fsdp2
+    with torch.device("meta"):
+        model = fsdp2_costs.BlockNet(32, 1)
+    fully_shard(model, mesh=fsdp2.mesh())
+    model.to_empty(device="cpu")
+    model.head.reset_parameters()
+    return model.head.weight.full_tensor()
+
+
+def test_meta_init_on_three_ranks_equals_the_whole_build_and_reset_parameters_would_not():
+    """The reason for fsdp2_meta.init_shards: on a CPU mesh reset_parameters draws the same rows on every rank."""
+    w = run(_reset_parameters_on_cpu_mesh, 2, backend="gloo", show_output=False)[0]
+    assert torch.equal(w[:16], w[16:])                                   # duplicate neurons
+    for m in run(fsdp2_meta.meta_init_worker, 3, 32, 2, backend="gloo", show_output=False):   # 11 + 11 + 10 rows
+        assert m["shards differ"] and m["vs built whole"] == 0.0 and m["after to_empty"] < m["whole"] // 2
 
 
 def test_in_flight_counts_gathers_not_yet_reduced():

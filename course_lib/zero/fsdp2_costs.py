@@ -1,7 +1,8 @@
 """What FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps and sends, counted on CPU ranks: the order of its
 backward collectives (prefetching), the root module's ``reshard_after_forward``, the bytes a parameter costs under
-mixed precision, gradient accumulation without a reduce-scatter per micro-batch, and building a model on the
-``meta`` device so that no rank ever holds it whole.
+mixed precision, gradient accumulation without a reduce-scatter per micro-batch, and HSDP (building on ``meta`` is
+:mod:`.fsdp2_meta`). Every ``fully_shard`` gets ``mesh=`` (:func:`.fsdp2.mesh`, on the rank's device): without it
+FSDP2 builds its mesh on ``cuda`` wherever a GPU is visible, even under Gloo.
 
 Collectives are recorded by :class:`~course_lib.comm.record.CollectiveLog` (the communication library's operators
 only). Whole (unsharded) gradients between micro-batches are read from FSDP2's per-parameter state
@@ -11,12 +12,11 @@ them differently.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.record import CollectiveLog
 from ..hardware import rank_device
-from .fsdp2 import apply_fsdp2, force_sum_on_gloo, fsdp2_full_state_dict, fsdp_units, unsharded_bytes
+from .fsdp2 import apply_fsdp2, force_sum_on_gloo, fsdp2_full_state_dict, fsdp_units, mesh, unsharded_bytes
 
 
 class Block(nn.Module):
@@ -74,10 +74,10 @@ def root_reshard_worker(rank: int, world_size: int, width: int = 32) -> dict:
     forward and backward, and the all-gathers of backward."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    model = BlockNet(width)
+    model, device_mesh = BlockNet(width), mesh()         # the mesh on this rank's device: CPU under Gloo
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
     force_sum_on_gloo(model)
     log = CollectiveLog()
     with log:
@@ -100,9 +100,10 @@ def bytes_per_parameter_worker(rank: int, world_size: int, width: int, param_dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = BlockNet(width)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    device_mesh = mesh()
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=True)   # the head too: 2 gathers a unit
+        fully_shard(block, mesh=device_mesh, mp_policy=policy)
+    fully_shard(model, mesh=device_mesh, mp_policy=policy, reshard_after_forward=True)  # the head: 2 gathers too
     force_sum_on_gloo(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     log = CollectiveLog()
@@ -125,16 +126,17 @@ def bytes_per_parameter_worker(rank: int, world_size: int, width: int, param_dty
 def whole_gradient_bytes(model: nn.Module) -> int | None:
     """Bytes of unsharded gradients FSDP2 holds right now (kept between micro-batches when gradient sync is off);
     ``None`` if this torch version keeps them under other names."""
-    total = 0
+    total, found = 0, False
     for unit in fsdp_units(model):
         group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
         for fp in getattr(group, "fsdp_params", None) or []:
+            found = found or hasattr(fp, "unsharded_accumulated_grad") or hasattr(fp, "_unsharded_param")
             grad = getattr(fp, "unsharded_accumulated_grad", None)
             if grad is None:
                 unsharded = getattr(fp, "_unsharded_param", None)
                 grad = None if unsharded is None else unsharded.grad
             total += 0 if grad is None else grad.numel() * grad.element_size()
-    return total
+    return total if found else None
 
 
 def accumulation_worker(rank: int, world_size: int, width: int, mode: str, micro_batches: int = 2) -> dict:
@@ -164,34 +166,6 @@ def accumulation_worker(rank: int, world_size: int, width: int, mode: str, micro
     kinds = [r.kind for r in log.records]
     return {"all-gathers": kinds.count("all-gather"), "reduce-scatters": kinds.count("reduce-scatter"),
             **between, "grads": grads, "model bytes": _nbytes(p.full_tensor() for p in model.parameters())}
-
-
-def meta_init_worker(rank: int, world_size: int, width: int, depth: int) -> dict:
-    """Build a :class:`BlockNet` on the ``meta`` device (shapes, no storage), shard it, then give each rank's shards
-    memory (``to_empty``) and initialise them (``reset_parameters``). Returns the bytes the model held on this rank
-    at each point, the whole model's bytes, and this rank's shapes."""
-    from torch.distributed.fsdp import fully_shard
-    with torch.device("meta"):
-        model = BlockNet(width, depth)
-    local = lambda p: p.to_local() if hasattr(p, "to_local") else p                       # noqa: E731
-    real = lambda: sum(0 if local(p).is_meta else local(p).untyped_storage().nbytes()     # noqa: E731
-                       for p in model.parameters())
-    built = real()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    sharded = real()
-    model.to_empty(device=rank_device())
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.reset_parameters()                      # initialises this rank's rows of each DTensor
-    n = sum(p.numel() for p in model.parameters())
-    weight = model.blocks[0].up.weight
-    return {"after building": built, "after fully_shard": sharded, "after to_empty": real(), "whole": 4 * n,
-            "placement": str(weight.placements[0]), "shape": tuple(weight.shape),
-            "local shape": tuple(weight.to_local().shape), "device": str(weight.to_local().device),
-            "finite": all(bool(p.to_local().isfinite().all()) for p in model.parameters()),
-            "rank": dist.get_rank()}
 
 
 def hsdp_worker(rank: int, world_size: int, width: int = 32, steps: int = 2) -> dict:
@@ -262,9 +236,10 @@ def reshard_to_worker(rank: int, world_size: int, reshard_after_forward, width: 
     forward over ``k`` ranks only (one node, say), so backward gathers from ``k`` ranks, not the world."""
     from torch.distributed.fsdp import fully_shard
     model = BlockNet(width)
+    device_mesh = mesh()
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward)
     force_sum_on_gloo(model)
     mode = _gather_sizes_mode()
     with mode:
