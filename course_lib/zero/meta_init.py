@@ -13,6 +13,7 @@ returned: the evidence that no rank ever held a whole parameter.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -54,17 +55,29 @@ def _owned(model):
 
 
 class LargestTensor(TorchDispatchMode):
-    """The bytes of the largest real tensor any operator returned while active."""
+    """While active: ``largest``, the bytes of the largest real (not meta) tensor any operator returned, and
+    ``peak``, the most bytes alive at once of the real storages operators made meanwhile (a storage lives as
+    long as any tensor or parameter on it; its size is read as each operator returns, so a storage resized to
+    nothing counts nothing)."""
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
+        self.largest = self.peak = 0
+        self._storages: list[weakref.ref] = []
+
+    def live_bytes(self) -> int:
+        self._storages = [r for r in self._storages if r() is not None]
+        return sum(r().nbytes() for r in self._storages)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and not t.is_meta:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
+                storage = t.untyped_storage()
+                self.largest = max(self.largest, storage.nbytes())
+                if all(r() is not storage for r in self._storages):
+                    self._storages.append(weakref.ref(storage))
+        self.peak = max(self.peak, self.live_bytes())
         return out
 
 
@@ -76,20 +89,24 @@ def _train(model, step_model, optimizer, rank: int, world_size: int, steps: int,
         optimizer.step()
 
 
-def meta_worker(rank: int, world_size: int, steps: int = 3) -> dict:
+def meta_worker(rank: int, world_size: int, steps: int = 3, on_meta: bool = True) -> dict:
     """The MLP built on ``meta``, sharded and made slice by slice, trained ``steps`` AdamW steps: the largest
-    tensor this rank made while building and sharding, the parameters' bytes it holds, the whole model's
-    bytes, and the trained full state dict."""
+    tensor this rank made while building and sharding, the most bytes alive at once meanwhile (``peak bytes``),
+    the parameters' bytes it holds, the whole model's bytes, and the trained full state dict. ``on_meta=False``:
+    the naive way, the whole model built on this rank, then sharded."""
     init = block_init()
     with LargestTensor() as watch:
-        with torch.device("meta"):
-            model = build("mlp")
+        if on_meta:
+            with torch.device("meta"):
+                model = build("mlp")
+        else:
+            model = materialise_whole(build("mlp"), init)
         whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         largest_parameter = max(p.numel() * p.element_size() for p in model.parameters())
         fully_shard(model, init=init)
     cls, kwargs = OPTIMIZERS["adamw"]
     _train(model, model, cls(model.parameters(), **kwargs), rank, world_size, steps)
-    return {"largest tensor made": watch.largest, "largest parameter": largest_parameter,
+    return {"largest tensor made": watch.largest, "peak bytes": watch.peak, "largest parameter": largest_parameter,
             "parameter bytes held": sum(p.numel() * p.element_size() for p in model.parameters()),
             "whole model": whole_bytes, "state": full_state_dict(model)}
 
