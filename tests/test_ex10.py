@@ -66,6 +66,37 @@ def uses_the_library(model, mesh):
     return fsdp2.apply_fsdp2(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def root_resharded(model, mesh):
+    policy = MixedPrecisionPolicy(**POLICY)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+
+
+def policy_on_blocks_only(model, mesh):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(**POLICY))
+    return fully_shard(model, mesh=mesh)
+
+
+def policy_on_root_only(model, mesh):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**POLICY))
+
+
+def bf16_masters(model, mesh):
+    return ex10.reference(model.to(torch.bfloat16), mesh)
+
+
+def head_unit(model, mesh):
+    policy = MixedPrecisionPolicy(**POLICY)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model.head, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def test_reference_passes_and_stub_is_not_attempted():
     assert ex10.check_fsdp_wrapping(ex10.reference).status == PASSED
     assert ex10.check_fsdp_wrapping(stub).status == NOT_ATTEMPTED
@@ -81,6 +112,11 @@ def test_reference_passes_and_stub_is_not_attempted():
     (root_first, "bottom-up: each block first"),
     (forgets_return, "returned a NoneType"),
     (uses_the_library, "switched off"),
+    (root_resharded, "reshard_after_forward=True on the root"),
+    (policy_on_blocks_only, "the same mp_policy=MixedPrecisionPolicy(...) to every fully_shard call"),
+    (policy_on_root_only, "the same mp_policy=MixedPrecisionPolicy(...) to every fully_shard call"),
+    (bf16_masters, "the shards are the master weights, keep them fp32"),
+    (head_unit, "model.head is a unit of its own"),
 ])
 def test_each_mistake_is_named(fn, words):
     feedback = ex10.check_fsdp_wrapping(fn)

@@ -20,7 +20,11 @@ from . import passed, run_attempt, wrong
 WIDTH, DEPTH = 32, 3
 HINTS = {"Invariant encountered": "this is what torch raises when fully_shard was applied to the root before its "
                                   "blocks. Call it bottom-up: each block first, then the root (the root's call "
-                                  "takes only the parameters no unit has taken yet)"}
+                                  "takes only the parameters no unit has taken yet)",
+         "must have the same dtype": "a layer got bf16 inputs and fp32 weights, or the other way round. Pass the "
+                                     "same mp_policy=MixedPrecisionPolicy(...) to every fully_shard call, the "
+                                     "root's too (the head computes in the root's unit), and keep the model in "
+                                     "fp32: no model.to(torch.bfloat16), the policy does the casting"}
 
 
 def reference(model, mesh):
@@ -57,12 +61,13 @@ def probe(rank: int, world_size: int, fn) -> dict:
     units = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not isinstance(model, FSDPModule):
         return {"returned": "Module", "units": units, "root": False}
+    stored = sorted({str(p.to_local().dtype) for p in model.parameters()})
     fsdp2.force_sum_on_gloo(model)
     ref = reference(BlockNet(WIDTH, DEPTH), mesh)
     fsdp2.force_sum_on_gloo(ref)
     seen = []
     model.blocks[0].up.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
-    result = {"returned": "Module", "units": units, "root": True}
+    result = {"returned": "Module", "units": units, "root": True, "stored": stored}
     gaps = []
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     g = torch.Generator().manual_seed(rank)
@@ -100,6 +105,10 @@ def _diagnose(r: dict) -> str | None:
     if units == ["<root>"]:
         return ("only the root is a unit: fully_shard(model) alone all-gathers the whole model at once, so every "
                 "rank holds all of its weights during forward. Call fully_shard on each block first, then the root")
+    if "head" in units:
+        return ("model.head is a unit of its own. It is not inside a block, and some recipes do wrap the output "
+                "layer alone, but then the root owns no parameters and the head is freed after forward. Here the "
+                "root takes the head: call fully_shard on the blocks and on the model only")
     inner = [u for u in units if u not in blocks and u != "<root>"]
     if inner:
         return (f"units inside the blocks ({inner[:3]}): one unit per Linear doubles the collectives, each a "
@@ -110,6 +119,13 @@ def _diagnose(r: dict) -> str | None:
     if held:
         return (f"{held} keep their whole weights from forward to backward: that is reshard_after_forward=False. "
                 "Use True for the blocks (the default): freed after forward, gathered again in backward")
+    if not {"head.weight", "head.bias"} <= set(r["whole after forward"]):
+        return ("the root's head was freed after forward: that is reshard_after_forward=True on the root. Leave the "
+                "root at fully_shard's default (None), which keeps the root's weights for backward: they are the "
+                "first it needs, so freeing them only gathers them again at once")
+    if r["stored"] != ["torch.float32"]:
+        return (f"the shards are stored in {r['stored']}: the shards are the master weights, keep them fp32 (no "
+                "model.to(torch.bfloat16)). MixedPrecisionPolicy's param_dtype casts only the gathered copy")
     if r["compute"] != torch.bfloat16:
         return (f"the layers compute in {r['compute']}, not bfloat16: pass "
                 "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...) to every fully_shard call")
@@ -123,7 +139,7 @@ def _diagnose(r: dict) -> str | None:
 
 def check_fsdp_wrapping(fn):
     """``fn(model, mesh)`` wraps a BlockNet and returns it: checked on 2 Gloo ranks."""
-    results, feedback = run_attempt(probe, 2, fn, timeout=60, error_hints=HINTS,
+    results, feedback = run_attempt(probe, 2, fn, timeout=120, error_hints=HINTS,
                                     timeout_hint="Every rank must call fully_shard on the same modules, in order.")
     if feedback is not None:
         return feedback
