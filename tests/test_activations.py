@@ -172,6 +172,23 @@ def test_fused_attention_saves_no_scores_and_equals_its_formula(b, s, h, a, f, d
         block_activation_bytes(b, s, h, a, f, attention="flash")
 
 
+def test_fused_attention_with_dropout_on_the_cpu_stores_the_probabilities():
+    """On the CPU, SDPA with dropout runs its math path: it saves s² tensors (fp32: eager's bytes less the causal
+    mask), so the fused formula, which prices the GPU kernels, refuses the CPU with dropout."""
+    from course_lib.memory import saved_tensors
+    from course_lib.memory.fused import with_fused_attention
+    b, s = 2, 64
+    block = with_fused_attention(Block(TransformerConfig(seq_len=s, dropout=0.1)))
+    x = torch.randn(b, s, 64, requires_grad=True)
+    saved = saved_tensors(block, x, exclude=list(block.parameters()))[1]
+    assert any(t.shape[-2:] == (s, s) and t.nbytes >= b * 4 * s * s * 4 for t in saved)
+    eager = block_activation_bytes(b, s, 64, 4, 256, dropout=True)["total"]
+    assert sum(t.nbytes for t in saved) == eager - s * s
+    with pytest.raises(ValueError, match="math path"):
+        block_activation_bytes(b, s, 64, 4, 256, dropout=True, attention="fused")
+    assert block_activation_bytes(b, s, 64, 4, 256, dropout=True, device="cuda", attention="fused")["total"] < eager
+
+
 def test_memory_curve_rises_through_forward_falls_through_backward_and_ends_with_the_gradients():
     from course_lib.memory.recompute import loss_fn
     from course_lib.memory.timeline import memory_curve
@@ -180,10 +197,11 @@ def test_memory_curve_rises_through_forward_falls_through_backward_and_ends_with
     c = memory_curve(loss_fn, model, tokens, tokens)
     _, held = held_bytes(loss_fn, model, tokens, tokens)
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert held.total <= c["at_turn"] <= c["peak"]
+    assert held.total == c["at_turn"] <= c["peak"]
     assert params <= c["after"] < params + 64                  # gradients, and the loss scalar
     full = memory_curve(loss_fn, with_recomputation(model, "full"), tokens, tokens)
     assert full["at_turn"] < c["at_turn"] / 4 and full["peak"] < c["peak"] and full["peak_phase"] == "backward"
+    assert full["at_turn"] == held_bytes(loss_fn, with_recomputation(model, "full"), tokens, tokens)[1].total
 
 
 def test_chunked_cross_entropy_equals_the_full_loss_and_never_holds_all_logits():
@@ -197,17 +215,36 @@ def test_chunked_cross_entropy_equals_the_full_loss_and_never_holds_all_logits()
     g = (hidden.grad.clone(), weight.grad.clone())
     hidden.grad = weight.grad = None
     chunked = memory_curve(lambda: chunked_cross_entropy(hidden, weight, targets, chunks=8))
-    assert full["at_turn"] >= 2 * logits_bytes and chunked["at_turn"] < 64       # only the loss scalar
+    assert logits_bytes <= full["at_turn"] < logits_bytes + 64     # the log-probabilities (the logits are freed)
+    assert chunked["at_turn"] < 64                                  # only the loss scalar and the target count
     assert chunked["peak"] < full["peak"] / 4
     torch.testing.assert_close((hidden.grad, weight.grad), g)
     with pytest.raises(ValueError, match="chunks"):
         chunked_cross_entropy(hidden, weight, targets, chunks=0)
 
 
+def test_chunked_cross_entropy_divides_by_the_targets_not_ignored():
+    """A quarter of the labels set to -100: the mean is over the other three quarters, as F.cross_entropy's; the
+    gradients agree too. num_targets gives the global count across micro-batches."""
+    from course_lib.memory.timeline import chunked_cross_entropy
+    hidden = torch.randn(128, 16, requires_grad=True)
+    weight = (0.1 * torch.randn(512, 16)).requires_grad_()
+    targets = torch.randint(512, (128,))
+    targets[::4] = -100
+    want = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets)
+    g = torch.autograd.grad(want, (hidden, weight))
+    got = chunked_cross_entropy(hidden, weight, targets, chunks=4)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, (hidden, weight)), g)
+    halves = [chunked_cross_entropy(hidden[i:i + 64], weight, targets[i:i + 64], chunks=2, num_targets=96)
+              for i in (0, 64)]
+    torch.testing.assert_close(sum(halves), want)
+
+
 def test_korthikanti_with_fused_attention_is_34_sbh_plus_the_logsumexp():
     """Notebook 13's second end exercise: in the paper's setting, fused attention replaces 5as/h by 4a/h (the
     logsumexp), less the LayerNorm statistics the paper leaves out."""
     for s, b, h, a in [(2048, 1, 4096, 32), (512, 2, 1024, 16)]:
-        fused = block_activation_bytes(b, s, h, a, 4 * h, dtype_bytes=2, dropout=True, stats_bytes=4, mask_bytes=1,
+        fused = block_activation_bytes(b, s, h, a, 4 * h, dtype_bytes=2, dropout=True, device="cuda",
                                        attention="fused")
         assert fused["total"] - fused["LayerNorm mean and 1/std"] == s * b * h * 34 + 4 * a * s * b

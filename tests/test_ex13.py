@@ -19,14 +19,16 @@ def test_the_stub_is_not_attempted():
 
 def test_known_wrong_answers_are_named():
     cases = {
-        "no checkpointing at all": lambda op: True,                          # keep everything
+        "holds more than no checkpointing": lambda op: True,                 # keep everything
         "keep bmm": lambda op: op in ("mm", "addmm", "bmm"),                 # the course's "selective": scores kept
         "keep no matrix product": lambda op: False,                          # whole-layer: too many FLOPs
         "k has no bias": lambda op: op == "addmm",                           # forgot the bias-free Linear
         "with a bias run as addmm": lambda op: op == "mm",
         "keep no matrix product (the": lambda op: op in ("matmul", "linear"),  # names not in the table
         "too much is kept": lambda op: op in ("mm", "addmm", "gelu", "clone"),
-        "native_layer_norm (0.5 MiB": lambda op: op in ("mm", "addmm", "native_layer_norm"),   # 39.7%: now over
+        "native_layer_norm (0.52 MiB": lambda op: op in ("mm", "addmm", "native_layer_norm"),   # 39.7%: now over
+        "without `aten.`": lambda op: op in ("aten.mm", "aten.addmm"),       # names as printed by the profiler
+        "residual sum after attention": lambda op: op in ("mm", "addmm", "add"),   # 37%: add is only partly free
     }
     for phrase, keep in cases.items():
         fb = ex13.check_recompute_choice(keep)
@@ -70,5 +72,24 @@ def test_the_table_the_learner_reads():
     assert ops["bmm"]["flops"] > 0 and ops["gelu"]["flops"] == 0
     assert ops["view"]["new_bytes"] == 0 < ops["_softmax"]["new_bytes"] <= ops["view"]["kept_alive"]
     assert ops["view"]["note"] == ops["expand"]["note"] == "view" and ops["t"]["kept_alive"] == 0   # a weight's view
-    assert ops["add"]["note"] == "saved anyway" and ops["add"]["kept_alive"] == ops["add"]["new_bytes"] // 2
+    assert ops["add"]["note"] == "partly held anyway" and ops["add"]["kept_alive"] == ops["add"]["new_bytes"] // 2
     assert all(ops[op]["kept_alive"] == ops[op]["new_bytes"] for op in ("addmm", "gelu", "div", "_softmax"))
+
+
+def test_the_papers_selective_recomputation_is_named_and_fails_this_budget():
+    """Korthikanti et al. recompute only the attention core and keep the rest: 68% here, so the message says that
+    this budget also needs LayerNorm, GELU and the copies recomputed; the reference is not called the paper's."""
+    fb = ex13.check_recompute_choice(lambda op: op not in CORE + ex13.VIEWS)
+    assert fb.status == WRONG and "Korthikanti et al.'s selective recomputation" in fb.message, fb
+    assert "LayerNorm, GELU and the copies" in fb.message and "held 6" in fb.message, fb
+    fb = ex13.check_recompute_choice(lambda op: op in ("mm", "addmm", "gelu", "clone"))   # not the paper's scheme
+    assert fb.status == WRONG and "Korthikanti" not in fb.message, fb
+
+
+def test_a_view_of_bsh_tensors_is_not_blamed_on_the_scores():
+    """Keeping transpose pins the head-split q, k, v (1 MiB a block), not an s² tensor: the hint says so."""
+    fb = ex13.check_recompute_choice(lambda op: op in ("mm", "addmm", "transpose"))
+    assert fb.status == WRONG and "makes no new memory" in fb.message, fb
+    assert "the scores and the softmax output" not in fb.message and "head-split q, k, v" in fb.message, fb
+    fb = ex13.check_recompute_choice(lambda op: op in ("mm", "addmm", "expand"))      # expand views the probabilities
+    assert fb.status == WRONG and "here the scores and the softmax output" in fb.message, fb

@@ -11,8 +11,10 @@ activation) under that policy and measures:
 * the gradients: identical to no checkpointing's.
 
 Keeping nothing (whole-layer checkpointing) meets the memory budget but recomputes too much; keeping every
-matrix product recomputes nothing but keeps the scores. The reference keeps the Linear layers' products and
-recomputes the attention core: Korthikanti et al.'s *selective recomputation*.
+matrix product recomputes nothing but keeps the scores. The reference keeps only the Linear layers' products and
+recomputes everything else. Korthikanti et al.'s *selective recomputation* recomputes only the attention core and
+keeps the rest: here it holds 68% (it keeps LayerNorm's and GELU's outputs and the copies), so this budget asks
+for the paper's scheme plus recomputing the cheap pointwise operators; the check names that case.
 
 **Views.** ``view``, ``transpose``, ``expand``, ``_unsafe_view`` make no new memory, yet keeping one keeps its
 *base* alive: ``expand`` and ``view`` of the softmax output pin the ``b·a·s²`` scores. So the feedback ranks
@@ -53,14 +55,14 @@ def _block_input() -> torch.Tensor:
 def block_ops() -> dict[str, dict]:
     """The operators one block runs at the check's sizes (the table the learner reads): calls, new bytes, FLOPs,
     and ``kept_alive`` (bytes this operator's outputs keep alive if it alone is kept, :func:`kept_alive`) with
-    ``note``: ``"view"`` (no new memory: it pins the storage it views) or ``"saved anyway"`` (part of its
+    ``note``: ``"view"`` (no new memory: it pins the storage it views) or ``"partly held anyway"`` (part of its
     output stays alive even when recomputed: the block's output, held by whoever called the block)."""
     table = forward_ops(Block(CFG), _block_input())
     alive = kept_alive(tuple(table))
     for op, row in table.items():
         row["kept_alive"] = alive[op]
         row["note"] = ("view" if op in VIEWS or not row["new_bytes"] else
-                       "saved anyway" if alive[op] < row["new_bytes"] else "")
+                       "partly held anyway" if alive[op] < row["new_bytes"] else "")
     return table
 
 
@@ -123,15 +125,21 @@ def _too_much_kept(kept: list[str], ops: dict) -> str:
                 "values per layer, the biggest activation at this length.")
     if not suspects:
         return "too much is kept, though only Linear products: keep fewer operators."
+    scores = BATCH * CFG.heads * CFG.seq_len ** 2 * 4        # one block's s² tensor, fp32
     named = []
     for op in suspects[:4]:
         what = ("a view" if ops[op]["note"] == "view" else
                 "an s² tensor: the scores, scaled or masked" if op in ("div", "masked_fill", "_softmax") else
+                "the residual sum after attention (the block's output is held anyway)" if op == "add" else
                 "its own output")
-        named.append(f"{op} ({ops[op]['kept_alive'] / 2**20:.1f} MiB a block, {what})")
+        named.append(f"{op} ({ops[op]['kept_alive'] / 2**20:.2f} MiB a block, {what})")
     views = [op for op in suspects if ops[op]["note"] == "view"]
-    hint = (f" A view ({', '.join(views)}) makes no new memory, but keeping it keeps alive the tensor it views, here "
-            "the scores and the softmax output: return False for views too." if views else "")
+    of_scores = [op for op in views if ops[op]["kept_alive"] >= scores]
+    base = ("here the scores and the softmax output" if of_scores == views else
+            f"for {', '.join(of_scores)} the scores and the softmax output" if of_scores else
+            "here bsh-sized tensors such as the head-split q, k, v")
+    hint = (f" A view ({', '.join(views)}) makes no new memory, but keeping it keeps alive the tensor it views, "
+            f"{base}: return False for views too." if views else "")
     return ("too much is kept. The Linear products (mm, addmm) are worth their bytes: they hold the FLOPs. Of "
             f"the rest, ranked by the bytes each keeps alive: {'; '.join(named)}.{hint}")
 
@@ -151,12 +159,18 @@ def check_recompute_choice(keep) -> Feedback:
         return wrong(f"the gradients differ from no checkpointing's: {said}")
     if memory > MEMORY_BUDGET:
         if all(answers.values()):
-            return wrong(f"you keep every output: that is no checkpointing at all. {said}")
-        return wrong(_too_much_kept(kept, ops) + f" {said}")
+            return wrong("you keep every output, which holds more than no checkpointing: autograd saves only what "
+                         f"backward needs, and keeping every output keeps more. {said}")
+        paper = (set(LINEAR) | {"native_layer_norm", "gelu"}) <= set(kept) and not {"bmm", "_softmax"} & set(kept)
+        intro = ("This is Korthikanti et al.'s selective recomputation (recompute the attention core, keep the "
+                 "rest). This budget also needs the cheap operators recomputed: LayerNorm, GELU and the copies. "
+                 if paper else "")
+        return wrong(intro + _too_much_kept(kept, ops) + f" {said}")
     if flops > FLOPS_BUDGET:
         if not any(ops[op]["flops"] for op in kept):
             return wrong("you keep no matrix product (the operators with FLOPs in the table: mm, addmm, bmm), so "
-                         f"backward recomputes them all. {said}")
+                         "backward recomputes them all. Names come without `aten.`, as in the table. "
+                         f"{said}")
         if "addmm" in kept and "mm" not in kept:
             return wrong(f"the key projection k has no bias: its Linear runs as mm, which you recompute. {said}")
         if "mm" in kept and "addmm" not in kept:

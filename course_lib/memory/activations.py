@@ -79,7 +79,9 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
     the ``s²`` terms; Korthikanti's case) or ``"fused"`` (``F.scaled_dot_product_attention``, FlashAttention):
     no scores, no mask; the kernel saves its output (``bsh·d``; laid out so that joining the heads is a view:
     ``out`` saves that same storage) and a ``(b, a, s)`` fp32 logsumexp, and
-    regenerates an attention dropout from its random state (no mask kept). :mod:`.fused` measures it.
+    on a GPU (the flash and memory-efficient kernels) regenerates an attention dropout from its random state
+    (no mask kept). :mod:`.fused` measures it. On the CPU, SDPA with dropout falls back to its math path, which
+    stores the ``s²`` probabilities like eager attention: that case raises ``ValueError`` (measure it instead).
 
     ``tp``: the block split over ``tp`` ranks by tensor parallelism (Megatron's layout, notebook 11): each
     rank keeps ``1/tp`` of what lives inside the attention heads and the MLP's hidden units (q, k, v, the
@@ -92,6 +94,10 @@ def block_activation_bytes(batch: int, seq: int, dim: int, heads: int, hidden: i
         raise ValueError(f"need positive sizes and dim divisible by heads, got b={batch} s={seq} h={dim} a={heads}")
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    if attention == "fused" and dropout and torch.device(device).type == "cpu":
+        raise ValueError("on the CPU, scaled_dot_product_attention with dropout runs its math path, which stores the "
+                         "s² probabilities like eager attention: the fused formula prices the GPU kernels only "
+                         "(pass device='cuda', or measure with saved_tensors)")
     if heads % tp or f % tp:
         raise ValueError(f"tensor parallelism over tp={tp} ranks needs heads ({heads}) and the MLP width ({f}) "
                          "divisible by tp")
