@@ -17,6 +17,12 @@ Notebook 08's fault injection (``--crash-at-epoch``, ``--crash-rank``) lives in
 reads (``setup``, ``Trainer``, ``main``) is what a job's own script holds.
 
 The last line rank 0 prints is a JSON summary (losses, throughput, a fingerprint of the final weights).
+
+Why ``main`` frees the trainer and collects before ``cleanup``: Gloo's worker threads outlive
+``destroy_process_group`` once DDP has used the group (torch 2.13), and one still freeing the last all-reduce's
+tensors while Python shuts down cannot take the GIL: the process aborts ("terminate called without an active
+exception", 2 runs in ~100 under load). Freeing and collecting while Python is fully alive gives them the time to
+finish.
 """
 from __future__ import annotations
 
@@ -137,7 +143,7 @@ def check_restarts(environ=os.environ) -> None:
 
 def setup(args) -> Context:
     env = launch_env()
-    check_restarts()
+    check_restarts()                                       # --max-restarts that would hang: refused (notebook 05)
     backend = choose_backend(args.backend, env["LOCAL_WORLD_SIZE"])
     if backend == "nccl":
         device = torch.device("cuda", env["LOCAL_RANK"])   # LOCAL rank: rank 8 on node 2 is cuda:0
@@ -267,12 +273,8 @@ def main(argv=None, prepare=None) -> dict:
             print_json(summary)
         return summary
     finally:                                               # also when training raised:
-        # Gloo's worker threads outlive destroy_process_group once DDP has used the group (torch 2.13), and
-        # one still freeing the last all-reduce's tensors while Python shuts down cannot take the GIL: the
-        # process aborts ("terminate called without an active exception", 2 runs in ~100 under load). Free
-        # the trainer and collect while Python is fully alive, which gives them the time to finish; then destroy.
-        del trainer
-        gc.collect()
+        del trainer                                        # a Gloo workaround (torch 2.13; the module's
+        gc.collect()                                       # docstring says why), harmless elsewhere
         cleanup()
 
 
