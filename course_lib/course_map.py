@@ -75,8 +75,8 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
              "bytes held and sent per rank, measured; an FSDP2 training loop; prefetch order, the root's reshard, "
              "HSDP; bytes per parameter under mixed precision; the fully_shard wrapping (you write it); gradient "
-             "accumulation; meta-device init; DCP saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 40,
-             85, 105),
+             "accumulation; meta-device init; DCP saved on 4 ranks, loaded on 2; when sharding pays", 0, "full", 60,
+             90, 155),
     Notebook("11_tensor_parallel.ipynb", "Tensor parallelism",
              "f and g; column/row-parallel layers; attention split by heads; every gradient equal to the unsplit "
              "block; communication per block", 0, "full", 40, 90, 145),

@@ -65,7 +65,7 @@ def test_the_stub_is_not_attempted():
     (make_f(use_group=False), "not over the group of 2"),
     (make_f(extra_forward=True), "your forward ran collectives"),
     (make_f(broadcast=True), "the forward changed x (rank 1 got"),    # rank 0, the source, is unchanged
-    (make_f(in_place=True), "all-reduced the gradient it was handed in place"),
+    (make_f(in_place=True), "changed the gradient it was handed, in place"),
     (make_f(undefined_name=True), "never imported in this kernel"),
     (lambda x, group: x.detach() + 0, "no gradient reached x"),
     (lambda x, group: x * 2, "the forward changed x"),
@@ -180,7 +180,7 @@ def test_parallel_mlp_mistakes_are_named(kwargs, phrase):
 
 
 class SolutionG(torch.autograd.Function):
-    """End exercise 1's solution, as the notebook prints it."""
+    """A right g, written by hand (the course's g without its helper)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -194,6 +194,8 @@ class SolutionG(torch.autograd.Function):
 
 
 class GReducingTwice(SolutionG):
+    """End exercise 1's MyG, as the notebook's solution prints it: g's backward all-reduces too."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -221,3 +223,27 @@ def test_end_exercise_1_the_solutions_g_passes_and_a_g_reducing_backward_fails()
     assert ex11.check_parallel_mlp(Column, _row_with(SolutionG.apply)).status == PASSED
     fb = ex11.check_parallel_mlp(Column, _row_with(GReducingTwice.apply))
     assert fb.status == WRONG and "g's backward is the identity" in fb.message, fb
+
+
+def _g_reducing_twice_worker(rank, world_size):
+    """End exercise 1's claim: with MyG, every gradient before g is t times too large, down.bias's is right."""
+    from course_lib.models.transformer import MLP
+    torch.manual_seed(0)
+    full = MLP(8, 16).double()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x_full, x_part = x.clone().requires_grad_(), x.clone().requires_grad_()
+    full(x_full).pow(2).sum().backward()
+    Column, _ = make_layers()
+    up, down = Column(full.up, dist.group.WORLD), _row_with(GReducingTwice.apply)(full.down, dist.group.WORLD)
+    down(F.gelu(up(x_part))).pow(2).sum().backward()
+    mine = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+    return {"input": torch.allclose(x_part.grad, world_size * x_full.grad),
+            "up.weight": torch.allclose(up.weight.grad, world_size * full.up.weight.grad[mine]),
+            "down.weight": torch.allclose(down.weight.grad, world_size * full.down.weight.grad[:, mine]),
+            "down.bias": torch.allclose(down.bias.grad, full.down.bias.grad)}
+
+
+def test_end_exercise_1_every_gradient_before_g_is_t_times_too_large():
+    from course_lib.launch import run
+    for result in run(_g_reducing_twice_worker, 2, backend="gloo", show_output=False):
+        assert all(result.values()), result

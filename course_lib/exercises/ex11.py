@@ -8,7 +8,8 @@
    collectives are counted: none in the forward, one all-reduce in the backward (``CollectiveLog`` counts
    all-reduces, all-gathers and reduce-scatters; a broadcast or a send in the forward shows in ``y`` instead).
    The backward is handed a gradient tensor of the check's own, which must come back unchanged: autograd may
-   hand ``backward`` an expanded view (after ``.sum()``), where an in-place all-reduce aborts the rank. Then
+   hand the same gradient tensor to several branches of the graph (``a + b`` gives both the same one), and an
+   in-place all-reduce would change the others' gradients too. Then
    ``fn`` goes at the entry of a column → row MLP, whose input gradient must equal the unsplit MLP's.
 2. ``column(linear, group)`` and ``row(linear, group)`` (:func:`check_parallel_mlp`, in :mod:`._ex11_mlp`):
    the two layers of a split MLP, equal to the unsplit one with every gradient.
@@ -28,9 +29,8 @@ from ._ex11_mlp import ERROR_HINTS, GROUPS, check_parallel_mlp, make_groups, wit
 
 WORLD = 4
 TIMEOUT = 90   # a first launch in a fresh kernel takes 15-20 s on a busy 2-core machine
-DIED_HINT = ("a rank aborts when it calls a collective its partners never call (every rank must call "
-             "dist.all_reduce: no `if rank == 0`), or when it all-reduces in place a gradient that is an expanded "
-             "view: all-reduce a copy, grad.clone()")
+DIED_HINT = ("a rank can abort when it calls a collective its partners never call: every rank must call "
+             "dist.all_reduce in backward (no `if rank == 0`)")
 
 
 def _probe(rank, fn, group, members):
@@ -127,10 +127,9 @@ def _backward_message(results, where) -> str | None:
         return (f"{where}: rank {bad}'s input gradient is {grads[bad][:3].tolist()}..., expected the sum over its "
                 f"group {results[bad]['sum'][:3].tolist()}...")
     if any(r["in place"] for r in results):
-        return (f"{where}: the values are right, but your backward all-reduced the gradient it was handed in place. "
-                "Autograd may hand backward an expanded view (after y.sum(), a stride-0 tensor), where an in-place "
-                "all-reduce aborts the rank, or a tensor another branch still reads: all-reduce a copy, "
-                "grad.clone().")
+        return (f"{where}: the values are right, but your backward changed the gradient it was handed, in place. "
+                "Autograd may hand that same tensor to another branch of the graph (y + z gives both branches one "
+                "tensor), whose gradient would then change too: all-reduce a copy, grad.clone().")
     if results[0]["backward"] != ["all-reduce"]:
         return (f"{where}: the gradient is right, but your backward ran {results[0]['backward']}: f's backward is "
                 "one all-reduce.")

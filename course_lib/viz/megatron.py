@@ -65,11 +65,15 @@ def draw_megatron_block(world_size: int = 2):
 def draw_tp_efficiency(efficiency: dict[str, dict[int, float]], gpus_per_node: int):
     """``efficiency[label][t]``: one line per label against the TP degree t (log scale), the node boundary drawn."""
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    for label, points in efficiency.items():
+    for i, (label, points) in enumerate(efficiency.items()):
         ts = sorted(points)
         ax.plot(ts, [points[t] for t in ts], marker="o", label=label)
         for t in ts:
-            ax.annotate(f"{points[t]:.0%}", (t, points[t]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            top = points[t] >= max(p.get(t, 0.0) for p in efficiency.values())   # the upper line's label above,
+            if any(f"{p.get(t, -1):.0%}" == f"{points[t]:.0%}" for p in list(efficiency.values())[:i]):
+                continue                                                       # a label equal to one shown: once
+            ax.annotate(f"{points[t]:.0%}", (t, points[t]), textcoords="offset points",   # the others' below
+                        xytext=(4, 4) if top else (4, -11), fontsize=7)
     ax.axvline(gpus_per_node * 1.4, color="#888888", ls="--", lw=1)
     ax.text(gpus_per_node * 1.45, 0.05, f"past {gpus_per_node} GPUs:\nacross nodes", fontsize=8, color="#555555")
     ax.set_xscale("log", base=2)
