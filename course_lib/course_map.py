@@ -85,7 +85,7 @@ NOTEBOOKS: list[Notebook] = [
              "a 2×2 mesh with FSDP2", 0, "full", 70, 90, 115),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
              "saved activations counted and derived; SDPA vs eager; memory over a step; recomputation under a "
-             "budget (you choose it); chunked loss", 1, "partial", 60, 75, 100),
+             "budget (you choose it); chunked loss", 1, "partial", 60, 85, 105),
     Notebook("14_mixed_precision.ipynb", "Mixed precision",
              "fp32/bf16/fp16/fp8; master weights; the loss-scaling loop (you write it); bf16 on the wire at scale; "
              "exact gradient accumulation", 2, "partial", 60, 90, 107),
