@@ -71,7 +71,7 @@ NOTEBOOKS: list[Notebook] = [
     Notebook("09_zero_from_scratch.ipynb", "ZeRO from scratch",
              "what data parallelism holds N times over; ZeRO-1 and a ZeRO-3 layer (you write them); the library's "
              "three stages, each equal to one process; traffic counted; what sharding breaks; meta-device init", 0,
-             "full", 30, 90, 115),
+             "full", 40, 90, 110),
     Notebook("10_fsdp2_and_checkpoints.ipynb", "FSDP2 and distributed checkpoints",
              "bytes held and sent per rank, measured; an FSDP2 training loop; prefetch order, the root's reshard, "
              "HSDP; bytes per parameter under mixed precision; the fully_shard wrapping (you write it); gradient "
