@@ -5,6 +5,11 @@ scheduler, every rank's random-number generator and the position in the data.
 the first when it saves and the second when it loads, so one ``dcp.save({"app": state})`` holds all of it. Each
 rank's generator state is saved under its own key: DCP keeps one copy of a plain tensor saved under the same key by
 every rank (it takes it to be replicated), and the ranks' generators differ.
+
+The weights and the optimizer load on any world size; the per-rank generator states (``"rank 0"``, ``"rank 1"``...)
+and each rank's place in the data do not: loaded on more ranks, DCP finds no ``"rank 2"`` and raises. Only the
+CPU generator is saved; on GPUs a resumed run needs ``torch.cuda.get_rng_state()`` too. ``dcp.async_save`` stages
+(copies) the state, writes it in the background and returns a future; :func:`resume_worker` waits on it at once.
 """
 from __future__ import annotations
 
