@@ -218,3 +218,32 @@ def test_backend_named_cpu_gloo_is_gloo():
     """init_process_group("cpu:gloo") names its backend 'cpu:gloo': the course's checks must still see Gloo."""
     r = run(_backend_words, 1, init=False, show_output=False)[0]
     assert r == {"name": "cpu:gloo", "kind": "gloo", "device": "cpu", "real reduce-scatter": False}
+
+
+def _save_training_state(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    from course_lib.zero import resume
+    dcp.save({"app": resume._setup(0, ("model", "scheduler", "rng", "data"))}, checkpoint_id=path)
+
+
+def _load_training_state(rank, world_size, path, parts):
+    import torch.distributed.checkpoint as dcp
+
+    from course_lib.zero import resume
+    try:
+        dcp.load({"app": resume._setup(1, parts)}, checkpoint_id=path)
+        return "loaded"
+    except BaseException as e:                   # noqa: BLE001 (DCP raises CheckpointException, a BaseException)
+        return type(e).__name__
+
+
+def test_training_state_with_generators_is_tied_to_its_world_size(tmp_path):
+    """Notebook 10's claim: per-rank generators tie a TrainingState checkpoint to the world size that saved it;
+    the weights and the optimizer alone load on another one."""
+    path = str(tmp_path / "ckpt")
+    run(_save_training_state, 2, path, backend="gloo", show_output=False)
+    with_rng = run(_load_training_state, 4, path, ("model", "scheduler", "rng", "data"), backend="gloo",
+                   show_output=False)
+    assert "loaded" not in with_rng[2:], with_rng                     # ranks 2 and 3 find no generator of their own
+    assert run(_load_training_state, 4, path, ("model",), backend="gloo", show_output=False) == ["loaded"] * 4
