@@ -137,7 +137,8 @@ def reshard_worker(rank: int, world_size: int, model_fn, reshard_after_forward: 
 
 def mixed_precision_worker(rank: int, world_size: int, model_fn, reduce_dtype=None) -> dict:
     """FSDP2 with ``param_dtype=torch.bfloat16`` (and ``reduce_dtype``): the type layers compute in, the type of
-    the sharded parameters and of their gradients, and the bytes reduce-scattered in one backward."""
+    the sharded parameters and of their gradients, the bytes reduce-scattered in one backward, and the bytes of whole
+    (gathered, bf16) weights still held after it."""
     model = apply_fsdp2(model_fn().to(rank_device()), param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     seen = []
@@ -146,7 +147,8 @@ def mixed_precision_worker(rank: int, world_size: int, model_fn, reduce_dtype=No
     _forward_backward(model, log)
     shard = next(model.parameters())
     return {"compute": seen[0], "stored": shard.dtype, "gradients": shard.grad.dtype,
-            "reduce-scatter bytes": count_collectives(log)["reduce-scatter bytes"]}
+            "reduce-scatter bytes": count_collectives(log)["reduce-scatter bytes"],
+            "whole after backward": unsharded_bytes(model)}         # the bf16 copies: gone once backward ends
 
 
 def _train(model: nn.Module, opt, width: int, steps: int) -> None:
