@@ -248,3 +248,13 @@ def test_korthikanti_with_fused_attention_is_34_sbh_plus_the_logsumexp():
         fused = block_activation_bytes(b, s, h, a, 4 * h, dtype_bytes=2, dropout=True, device="cuda",
                                        attention="fused")
         assert fused["total"] - fused["LayerNorm mean and 1/std"] == s * b * h * 34 + 4 * a * s * b
+
+
+def test_end_exercise_1_the_gpu_conventions_change_the_masks_and_in_bf16_the_statistics():
+    """Notebook 13's first end exercise: section 1's dropout shape, priced on the CPU and on CUDA."""
+    cpu, gpu = (block_activation_bytes(3, 32, 64, 4, 256, dropout=True, device=d) for d in ("cpu", "cuda"))
+    assert (cpu["total"], gpu["total"]) == (592384, 518656)
+    assert {k for k in cpu if cpu[k] != gpu[k]} == {"dropout masks and outputs", "total"}
+    cpu, gpu = (block_activation_bytes(3, 32, 64, 4, 256, 2, dropout=True, device=d) for d in ("cpu", "cuda"))
+    assert (cpu["total"], gpu["total"]) == (296704, 272896)
+    assert (cpu["LayerNorm mean and 1/std"], gpu["LayerNorm mean and 1/std"]) == (768, 1536)
