@@ -453,6 +453,16 @@ def test_a_model_built_on_meta_is_sharded_made_slice_by_slice_and_equals_one_pro
             assert T.max_difference(r["state"], reference) < 1e-5
             assert r["largest tensor made"] <= r["largest parameter"] < r["whole model"]
             assert r["parameter bytes held"] <= r["whole model"] / world_size + 4 * 16      # 1/N, plus rounding
+            assert r["peak bytes"] <= r["parameter bytes held"] + r["largest parameter"]  # shards + one buffer
+
+
+def test_the_peak_of_live_bytes_tells_a_model_built_whole_from_one_built_on_meta(no_leftovers):
+    """The largest single tensor cannot tell them apart (one parameter either way); the bytes alive at once can."""
+    from course_lib.zero import meta_init
+    for r in run(meta_init.meta_worker, 2, 3, False, backend="gloo", show_output=False):      # built whole
+        assert r["largest tensor made"] <= r["largest parameter"]
+        assert r["peak bytes"] >= r["whole model"]
+        assert r["peak bytes"] > r["parameter bytes held"] + r["largest parameter"]
 
 
 def test_meta_init_is_the_same_whoever_makes_the_slice():

@@ -231,7 +231,7 @@ def check_zero3(fn):
                      f"got {fn!r}")
     for n in WORLD_SIZES:
         results, feedback = run_attempt(
-            trial, n, fn, timeout=30,
+            trial, n, fn, timeout=60,
             timeout_hint="A rank waits in a collective the others never call: every rank must call the same "
                          "collectives, in the same order, with tensors of the same sizes.",
             error_hints={"invalid gradient": "backward returns (grad_x, grad_shard): grad_shard has the shard's "

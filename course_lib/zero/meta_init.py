@@ -4,11 +4,13 @@ A model built under ``torch.device("meta")`` has every parameter's shape and dty
 it needs no values; then each rank makes only the elements of its own slice. For every rank to agree with
 one process, the value of an element must not depend on who makes it: :func:`block_init` draws each
 parameter in blocks of ``BLOCK`` elements, block j from its own generator (seeded by the parameter's number
-and j), so a rank draws only the blocks its slice touches. (FSDP2 does the same with ``to_empty`` and
-``reset_parameters`` on sharded DTensors, whose random numbers are offset by the shard, notebook 10.)
+and j), so a rank draws only the blocks its slice touches. (FSDP2 does the same job with ``to_empty`` and
+``reset_parameters`` on sharded DTensors, notebook 10; DTensor's shard-offset random numbers are for CUDA-like
+devices, not checked here.)
 
-:class:`LargestTensor` watches every operator and keeps the largest real (not meta) tensor any of them
-returned: the evidence that no rank ever held a whole parameter.
+:class:`LargestTensor` watches every operator: the largest real (not meta) tensor any of them returned, and the
+peak of the bytes alive at once, which tells a model built on meta (this rank's shards plus one parameter's
+buffer) from one built whole and then sharded (the whole model).
 """
 from __future__ import annotations
 
