@@ -115,3 +115,8 @@ def test_run_torch_schedules_measures_unbalanced_timed_runs_again(monkeypatch):
     monkeypatch.setattr(TC, "_run", lambda names, ranks, timeout: calls.append(1) or {n: balanced[n] for n in names})
     TC.run_torch_schedules()
     assert calls == [1]                                          # balanced at once: no second launch
+
+
+def test_course_vs_unsplit_on_an_uneven_batch():
+    same, held = TC.course_vs_unsplit("1f1b", 2, 3, 7)              # 7 samples in 3 micro-batches
+    assert same and held == P.peak_in_flight("1f1b", 2, 3) == [2, 1]

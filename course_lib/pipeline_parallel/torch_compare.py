@@ -8,9 +8,10 @@ for the clock; :func:`course_grads` gives :func:`.stages.pipeline_worker`'s grad
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .schedules import play
-from .stages import BALANCED, most_balanced, pipeline_worker, rank_imbalance, replayed
+from .stages import BALANCED, make_batch, make_full_model, most_balanced, pipeline_worker, rank_imbalance, replayed
 from .torch_pipelining import stage_indices, torch_pipeline_worker
 
 SMALL = dict(micro_batches=4, batch=16, width=32, layers_per_stage=2)    # for the gradients
@@ -66,6 +67,22 @@ def course_grads(stages: int, kind: str) -> list[torch.Tensor]:
     res = run(pipeline_worker, stages, kind, SMALL["micro_batches"], SMALL["batch"], SMALL["width"],
               SMALL["layers_per_stage"], backend="gloo", show_output=False)
     return [g for r in res for g in r["grads"]]
+
+
+def course_vs_unsplit(kind: str, stages: int, micro_batches: int, batch: int, width: int = 32,
+                      layers_per_stage: int = 2) -> tuple[bool, list[int]]:
+    """Run :func:`.stages.pipeline_worker` (schedule ``kind``) on ``stages`` processes and the unsplit model on the
+    same batch; return whether every gradient is the unsplit model's (up to 1e-6) and the activations each
+    stage held at most."""
+    from ..launch import run
+
+    res = run(pipeline_worker, stages, kind, micro_batches, batch, width, layers_per_stage, backend="gloo",
+              show_output=False)
+    full = make_full_model(stages, width, layers_per_stage)
+    x, y = make_batch(batch, width)
+    F.mse_loss(full(x), y).backward()
+    return equal([g for r in res for g in r["grads"]], [p.grad for p in full.parameters()]), \
+        [r["peak_in_flight"] for r in res]
 
 
 def equal(a, b, scale: float = 1.0) -> bool:
