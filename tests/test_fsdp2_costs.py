@@ -116,6 +116,9 @@ def test_hsdp_on_a_2x2_mesh_equals_one_process():
         assert r["placements"] == "(Replicate(), Shard(dim=0))" and r["local shape"] == (16, 32)
         assert (r["reduce-scatters"], r["all-reduces"]) == (4, 4)                 # 3 blocks and the root, each
         assert (r["reduce-scatter bytes"], r["all-reduce bytes"]) == (whole, whole // 2)   # across: only a shard
+    assert [r["groups"] for r in results] == [                 # reduce-scatter along a row, all-reduce down a column
+        {"reduce-scatter": [(0, 1)], "all-reduce": [(0, 2)]}, {"reduce-scatter": [(0, 1)], "all-reduce": [(1, 3)]},
+        {"reduce-scatter": [(2, 3)], "all-reduce": [(0, 2)]}, {"reduce-scatter": [(2, 3)], "all-reduce": [(1, 3)]}]
 
 
 class _SkipsABlock(fsdp2_costs.BlockNet):

@@ -12,6 +12,7 @@ them differently.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.record import CollectiveLog
@@ -171,7 +172,7 @@ def accumulation_worker(rank: int, world_size: int, width: int, mode: str, micro
 def hsdp_worker(rank: int, world_size: int, width: int = 32, steps: int = 2) -> dict:
     """HSDP on a 2-D mesh ``(replicate, shard)`` of ``world_size`` ranks (2 x 2 on 4): each block sharded inside
     a row of the mesh, replicated across rows. Trains ``steps`` SGD steps on this rank's share of each global batch;
-    returns the full weights and the collectives of the last backward with the size of the group each ran in."""
+    returns the full weights, the collectives of the last backward, and the ranks of the group each kind ran in."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh2d = init_device_mesh(rank_device().type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
@@ -182,12 +183,14 @@ def hsdp_worker(rank: int, world_size: int, width: int = 32, steps: int = 2) -> 
     force_sum_on_gloo(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     log = CollectiveLog()
+    groups = _group_ranks_mode()
     for step in range(steps):
         x = torch.randn(4 * world_size, width, generator=torch.Generator().manual_seed(step)).chunk(world_size)[rank]
         log.records.clear()
+        groups.records.clear()
         with log:
             out = model(x)
-            with log.during("backward"):
+            with log.during("backward"), groups:
                 out.pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -197,7 +200,9 @@ def hsdp_worker(rank: int, world_size: int, width: int = 32, steps: int = 2) -> 
             "placements": str(w.placements), "local shape": tuple(w.to_local().shape),
             "reduce-scatters": kinds.count("reduce-scatter"), "all-reduces": kinds.count("all-reduce"),
             "reduce-scatter bytes": sum(r.nbytes for r in log.records if r.kind == "reduce-scatter"),
-            "all-reduce bytes": sum(r.nbytes for r in log.records if r.kind == "all-reduce")}
+            "all-reduce bytes": sum(r.nbytes for r in log.records if r.kind == "all-reduce"),
+            "groups": {k: sorted({tuple(g) for kind, g in groups.records if kind == k})
+                       for k in ("reduce-scatter", "all-reduce")}}
 
 
 def hsdp_reference(world_size: int, width: int = 32, steps: int = 2) -> dict:
@@ -210,6 +215,25 @@ def hsdp_reference(world_size: int, width: int = 32, steps: int = 2) -> dict:
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _group_ranks_mode():
+    """A dispatch mode recording, for each reduce-scatter and all-reduce, the ranks of the process group it ran in."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GroupRanks(TorchDispatchMode):
+        records: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kind = {"reduce_scatter": "reduce-scatter", "allreduce": "all-reduce"}
+            k = next((v for key, v in kind.items() if key in func.name()), None)
+            pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            if k and pg is not None:
+                self.records.append((k, dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg))))
+            return func(*args, **(kwargs or {}))
+    mode = GroupRanks()
+    mode.records = []
+    return mode
 
 
 def _gather_sizes_mode():
