@@ -5,6 +5,8 @@ softmax and ``probs @ v`` as separate operators, and autograd saves the ``b·a·
 them. A fused kernel (FlashAttention; on the CPU, PyTorch's flash kernel behind SDPA) computes the softmax
 block by block and never stores the scores: for backward it keeps ``q``, ``k``, ``v``, its output and one
 fp32 *logsumexp* per query row, ``(b, a, s)``, from which backward rebuilds each block of probabilities.
+With dropout, the GPU kernels regenerate the mask from the random state; on the CPU, SDPA with dropout runs its
+math path instead, which stores the ``s²`` probabilities like eager attention.
 :func:`with_fused_attention` swaps the kernel in a copy of a model; the weights stay the same.
 """
 from __future__ import annotations
