@@ -71,7 +71,8 @@ def accumulation_worker(rank: int, world_size: int, cfg, batch: int = 16, splits
             log = CollectiveLog()
             with log:
                 step(k, sync_every_micro_batch=every)
-            bytes_sent["every micro-batch" if every else "no_sync"] = sum(r.nbytes for r in log.records)
+            bytes_sent["every micro-batch" if every else "no_sync"] = sum(   # the gradients' all-reduces only,
+                r.nbytes for r in log.records if r.kind == "all-reduce")          # not DDP's bucket-rebuild broadcast
         grads = [p.grad.clone() for p in model.parameters()]
         out[k] = {"micro_batch": micro, "activation_bytes": held.total, "bytes_all_reduced": bytes_sent,
                   "grads": grads, "seconds": []}
