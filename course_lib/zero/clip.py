@@ -25,9 +25,14 @@ def clip_grad_norm_(shards, max_norm: float) -> torch.Tensor:
     after :func:`..fully_shard`) by the norm of the *whole* model's gradient; return that norm.
 
     Collective: call it on every rank. The squared norms of the slices add up to the squared norm of the whole.
+    For stage 2 and 3 and :class:`..ShardedOptimizer` (under DDP): there the slices' gradients are averaged
+    already. Under ``shard(model, 1)`` the reduce-scatter runs inside ``step()``, so before it the gradients are
+    not the slices'. A rank with no gradient still joins, on the device of its first shard (NCCL cannot
+    all-reduce a CPU tensor).
     """
+    shards = list(shards)
     grads = [p.grad for p in shards if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads[0].device if grads else (shards[0].device if shards else torch.device("cpu"))
     squared = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=device))
     dist.all_reduce(squared)                               # sum over the ranks of the partial squared norms
     norm = squared.sqrt()
