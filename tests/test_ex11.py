@@ -11,7 +11,7 @@ from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex11
 
 
 def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=True, extra_forward=None,
-           broadcast=False, in_place=False, undefined_name=False):
+           broadcast=False, in_place=False, undefined_name=False, odd_ranks_double=False):
     """An f with the all-reduce in the forward or not, 0, 1 or 2 all-reduces in the backward, with or without the
     group; a broadcast forward; an in-place all-reduce of the gradient; a name never imported."""
     class MyF(torch.autograd.Function):
@@ -24,6 +24,8 @@ def make_f(forward_reduce=False, backward_reduces=1, average=False, use_group=Tr
             if broadcast:
                 x = x.clone()
                 dist.broadcast(x, src=dist.get_process_group_ranks(ctx.group or dist.group.WORLD)[0], group=ctx.group)
+            if odd_ranks_double and dist.get_rank() % 2 == 1:
+                x = x * 2
             if extra_forward:
                 dist.barrier(group=ctx.group)
                 dist.all_reduce(torch.zeros(1, dtype=x.dtype), group=ctx.group)
@@ -64,7 +66,7 @@ def test_the_stub_is_not_attempted():
     (make_f(average=True), "averaged"),
     (make_f(use_group=False), "not over the group of 2"),
     (make_f(extra_forward=True), "your forward ran collectives"),
-    (make_f(broadcast=True), "the forward changed x (rank 1 got"),    # rank 0, the source, is unchanged
+    (make_f(odd_ranks_double=True), "the forward changed x (rank 1 got"),   # the first rank whose y differs
     (make_f(in_place=True), "changed the gradient it was handed, in place"),
     (make_f(undefined_name=True), "never imported in this kernel"),
     (lambda x, group: x.detach() + 0, "no gradient reached x"),
@@ -75,6 +77,12 @@ def test_the_stub_is_not_attempted():
 def test_known_mistakes_are_named(fn, phrase):
     fb = ex11.check_f(fn)
     assert fb.status == WRONG and phrase in fb.message, fb
+
+
+def test_a_broadcast_forward_is_named():
+    fb = ex11.check_f(make_f(broadcast=True))   # counted by CollectiveLog, or else seen in y (rank 1 changed)
+    assert fb.status == WRONG and ("your forward ran collectives ['broadcast']" in fb.message
+                                   or "the forward changed x (rank 1 got" in fb.message), fb
 
 
 def test_a_deadlock_is_an_error_not_a_hang():

@@ -5,8 +5,9 @@
    group. Every rank gets a different ``x`` (a forward that communicates changes it) and a different weight
    ``w_rank`` in its loss ``(fn(x, group) * w_rank).sum()``, so the right input gradient is the sum of the
    ``w_rank`` over the group, and an all-reduce over every rank instead of the group gives another sum. The
-   collectives are counted: none in the forward, one all-reduce in the backward (``CollectiveLog`` counts
-   all-reduces, all-gathers and reduce-scatters; a broadcast or a send in the forward shows in ``y`` instead).
+   collectives are counted: none in the forward, one all-reduce in the backward (a forward that changes ``x``
+   by a means ``CollectiveLog`` does not count, a send say, shows in ``y`` instead: the first rank whose ``y``
+   differs is quoted).
    The backward is handed a gradient tensor of the check's own, which must come back unchanged: autograd may
    hand the same gradient tensor to several branches of the graph (``a + b`` gives both the same one), and an
    in-place all-reduce would change the others' gradients too. Then
