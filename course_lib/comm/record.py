@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .costmodel import ring_steps_and_bytes
 
 KINDS = {"allreduce": "all-reduce", "all_reduce": "all-reduce", "allgather": "all-gather",
-         "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
+         "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",   # checked first: it holds "scatter"
+         "broadcast": "broadcast", "scatter": "scatter", "alltoall": "all-to-all", "all_to_all": "all-to-all"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ COMM_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
 def kind_of(op_name: str) -> str | None:
-    """``"all-reduce"``, ``"all-gather"`` or ``"reduce-scatter"`` for an operator named like ``c10d::allreduce_``;
+    """``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"broadcast"``, ``"scatter"`` or ``"all-to-all"``
+    for an operator named like ``c10d::allreduce_`` (``distribute_tensor`` scatters or broadcasts rank 0's copy);
     ``None`` for anything else. Only the communication libraries' operators count: FSDP2's local
     ``fsdp::all_gather_copy_in`` (a copy into the send buffer) says "all_gather" but sends nothing."""
     namespace, _, rest = op_name.partition("::")
