@@ -5,6 +5,7 @@ collectives with and without reshard_after_forward, and in mixed precision; DCP 
 loads on 2; the bytes each rank keeps match the arithmetic, DDP's buckets included; ZeRO-3 holds one layer's whole
 parameters at a time; the traffic of a step, with gradient accumulation too; bad input.
 """
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -490,3 +491,49 @@ def test_the_zero3_lifecycle_strip_gathers_twice_and_frees_after_each_use():
     assert all("weight shard" in held for _, _, held in phases)
     assert phases[-1][2] == {"weight shard", "gradient shard"}
     assert len(sharding.draw_zero3_lifecycle(4).axes[0].patches) == 7 * 4 + 3
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+
+
+class _ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 0.3)
+
+    def forward(self, x):
+        return _Out(x @ self.w.T)
+
+
+class _DataclassModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.inner, self.head = nn.Linear(8, 8), _ReturnsDataclass(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(torch.relu(self.pre(x))).h))
+
+
+def _dataclass_worker(rank, world_size):
+    from course_lib.zero import full_state_dict, fully_shard
+    model = fully_shard(_DataclassModel())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    return full_state_dict(model)
+
+
+def test_a_layer_that_returns_a_dataclass_is_gathered_for_backward_too(no_leftovers):
+    """The pre-backward gather hooks the tensors inside a dataclass output (it used to crash in backward)."""
+    states = run(_dataclass_worker, 2, backend="gloo", show_output=False)
+    model = _DataclassModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.cat([torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)])
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    for state in states:
+        assert T.max_difference(state, model.state_dict()) < 1e-6

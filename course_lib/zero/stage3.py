@@ -29,6 +29,8 @@ first owner and stays gathered from its first use in backward until its gradient
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -194,6 +196,9 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):    # a module that returns a dataclass
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name))
 
 
 def fully_shard(module: nn.Module, compute_dtype: torch.dtype | None = None, init=None, device=None) -> nn.Module:
