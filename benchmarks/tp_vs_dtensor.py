@@ -6,6 +6,8 @@ ranks. Both are built from one full MLP in the same process group and alternate,
 ``--rounds`` rounds; medians are compared. NCCL where every rank has its own GPU, Gloo on the CPU otherwise.
 
     python benchmarks/tp_vs_dtensor.py [--ranks 2] [--rounds 15] [--dim 512] [--tokens 1024]
+
+``--tokens`` is a multiple of 128 (the batch is ``tokens // 128`` sequences of 128).
 """
 import argparse
 import copy
@@ -54,6 +56,10 @@ def main():
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
     a = p.parse_args()
+    if a.tokens < 128 or a.tokens % 128:
+        p.error(f"--tokens must be a positive multiple of 128 (sequences of 128 tokens), got {a.tokens}")
+    if a.dim < 1 or a.ranks < 1 or a.rounds < 1 or a.steps < 1:
+        p.error("--dim, --ranks, --rounds and --steps must be at least 1")
     print(hardware.summary().splitlines()[0])
     backend = hardware.default_backend(a.ranks)
     t = run(worker, a.ranks, a.dim, a.tokens, a.rounds, a.steps, backend=backend, show_output=False)[0]

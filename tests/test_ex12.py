@@ -5,7 +5,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from course_lib.exercises import NOT_ATTEMPTED, PASSED, WRONG, ex12
-from course_lib.tensor_parallel.dtensor import block_plan
 
 
 def stub(sequence_parallel):
@@ -72,7 +71,7 @@ def no_sequence_norms(sequence_parallel):
 
 
 def test_the_reference_and_a_plan_by_hand_pass():
-    assert ex12.check_block_plan(block_plan).status == PASSED
+    assert ex12.check_block_plan(ex12.reference).status == PASSED
     assert ex12.check_block_plan(by_hand).status == PASSED
 
 
@@ -94,10 +93,10 @@ def test_mistakes_read_from_the_plan_are_named(fn, says):
 
 
 @pytest.mark.parametrize("fn, says", [
-    (no_prepare, "PrepareModuleInput(input_layouts=(Replicate(),)"),
-    (whole_output, "RowwiseParallel(output_layouts=Shard(1))"),
-    (slice_as_whole, "ColwiseParallel(input_layouts=Shard(1)) on 'mlp.up'"),
-    (no_sequence_norms, "SequenceParallel() on 'ln1' and 'ln2'"),
+    (no_prepare, "a PrepareModuleInput on 'attn' makes it one DTensor"),
+    (whole_output, "output_layouts says Shard(1)"),
+    (slice_as_whole, "desired_input_layouts saying what the module needs"),
+    (no_sequence_norms, "SequenceParallel style on 'ln1' and 'ln2'"),
 ])
 def test_mistakes_seen_when_run_are_named(fn, says):
     said = ex12.check_block_plan(fn)
@@ -112,5 +111,30 @@ def attention_slice_as_whole(sequence_parallel):
 
 def test_a_slice_declared_whole_is_named_by_its_extra_gathers():
     said = ex12.check_block_plan(attention_slice_as_whole)
-    assert said.status == WRONG and "PrepareModuleInput(input_layouts=(Shard(1),)" in said.message, said.message
+    assert said.status == WRONG and "desired_input_layouts saying" in said.message, said.message
     assert "gathered again" in said.message
+
+
+def test_no_hint_prints_the_answer_as_code():
+    for hint in (ex12.SP_INPUT, ex12.WHOLE_OUT):
+        assert "(input_layouts=" not in hint and "(output_layouts=" not in hint, hint
+
+
+def test_the_parameter_may_have_any_name():
+    def plan(sp):   # not called "sequence_parallel": the check passes it positionally
+        return by_hand(sp)
+    assert ex12.check_block_plan(plan).status == PASSED
+
+
+def test_a_function_of_no_argument_is_named():
+    said = ex12.check_block_plan(lambda: by_hand(True))
+    assert said.status == WRONG and "with one argument" in said.message, said.message
+
+
+def test_prepare_module_input_with_output_layouts_is_named():
+    def plan(sequence_parallel):
+        p = by_hand(sequence_parallel)
+        p["attn"] = PrepareModuleInput(input_layouts=(Replicate(),), output_layouts=(Replicate(),))
+        return p
+    said = ex12.check_block_plan(plan)
+    assert said.status == WRONG and "desired_input_layouts" in said.message and "TypeError" in said.message

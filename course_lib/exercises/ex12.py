@@ -1,8 +1,8 @@
 """Notebook 12's exercise: write the DTensor plan that splits a transformer block, with and without sequence
 parallelism.
 
-The learner writes ``fn(sequence_parallel)`` (called with the keyword), returning a plan for
-``parallelize_module``: a dict from a submodule's name in :class:`~course_lib.models.transformer.Block`
+The learner writes ``fn(sequence_parallel)`` (called with one positional argument, whatever its name), returning
+a plan for ``parallelize_module``: a dict from a submodule's name in :class:`~course_lib.models.transformer.Block`
 (``attn.q``, ``mlp.up``, ``ln1``, ``attn``...) to a ``ParallelStyle``. The check runs it without the library's plan:
 
 1. it reads the plan: the four layers that widen (``attn.q``, ``attn.k``, ``attn.v``, ``mlp.up``) must be
@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 
 from ..models import TransformerConfig
-from ..tensor_parallel.dtensor import block_plan as reference  # noqa: F401 (the reference solution)
+from ..tensor_parallel.dtensor import block_plan
 from . import NOT_ATTEMPTED, Feedback, passed, run_attempt, wrong
 
 CFG = TransformerConfig(vocab=16, seq_len=8, dim=16, heads=2, layers=1, hidden=32)
@@ -33,12 +33,18 @@ NAMES = ("ln1", "attn", "ln2", "mlp", *WIDEN, *NARROW)
 EXPECTED = {False: Counter({"all-reduce": 2}),                      # per phase (forward, backward)
             True: Counter({"all-gather": 2, "reduce-scatter": 2})}
 SP_INPUT = ("with sequence_parallel=True each rank holds a slice of the sequence, (batch, seq/N, dim): say so where "
-            "the slice enters a split region, PrepareModuleInput(input_layouts=(Shard(1),), "
-            "desired_input_layouts=(Replicate(),)) on 'attn' and ColwiseParallel(input_layouts=Shard(1)) on "
-            "'mlp.up', so that DTensor all-gathers it")
+            "the slice enters a split region (attention's input, and mlp.up's), with input_layouts saying Shard(1) "
+            "arrives and, for attention, desired_input_layouts saying what the module needs, so that DTensor "
+            "all-gathers it")
 
 WHOLE_OUT = ("under sequence parallelism the residual stream holds this rank's slice, so attn.out and mlp.down must "
-             "hand back a slice: RowwiseParallel(output_layouts=Shard(1)), a reduce-scatter, not an all-reduce")
+             "hand back a slice: a RowwiseParallel whose output_layouts says Shard(1), a reduce-scatter, not an "
+             "all-reduce")
+
+
+def reference(sequence_parallel: bool) -> dict:
+    """The reference solution: the library's plan of one block (``dtensor.block_plan``, its prefix empty)."""
+    return block_plan(sequence_parallel=sequence_parallel)
 
 
 def _layouts(style) -> list:
@@ -110,7 +116,7 @@ def worker(rank: int, world_size: int, fn) -> dict:
         x_full = x.clone().requires_grad_()
         y_full = full(x_full)
         y_full.backward(grad_y)
-        part = parallelize(copy.deepcopy(full), mesh, fn(sequence_parallel=sp))
+        part = parallelize(copy.deepcopy(full), mesh, fn(sp))
         mine = (lambda t: t.chunk(world_size, 1)[rank]) if sp else (lambda t: t)   # noqa: E731
         x_part = mine(x).clone().requires_grad_()
         with CollectiveLog() as log:
@@ -144,8 +150,8 @@ def _diagnose(plan: dict, sp: bool, r: dict) -> Feedback | None:
     if r["shape"] != r["expected shape"]:
         if sp and r["shape"][1] != r["expected shape"][1]:
             return wrong(f"{where}: the block hands back {r['shape']}, not this rank's slice {r['expected shape']}: "
-                         "under sequence parallelism attn.out and mlp.down leave with a reduce-scatter, "
-                         "RowwiseParallel(output_layouts=Shard(1)), not an all-reduce")
+                         "under sequence parallelism attn.out and mlp.down leave with a reduce-scatter (their "
+                         "output_layouts say Shard(1)), not an all-reduce")
         return wrong(f"{where}: the block's output has shape {r['shape']}, the input's is {r['expected shape']}")
     tol = 1e-5
     if sp and not _gathers(plan):
@@ -159,8 +165,8 @@ def _diagnose(plan: dict, sp: bool, r: dict) -> Feedback | None:
         if sp and any(k.startswith(("ln1", "ln2")) for k in bad):
             return wrong(f"{where}: the output is right but {bad[0]}'s gradient is off by {r['grads'][bad[0]]:.1e}: "
                          "each rank's LayerNorm saw only its positions, so its gradient is a partial sum that "
-                         "nothing reduces. Put the LayerNorms in the sequence-parallel region: SequenceParallel() "
-                         "on 'ln1' and 'ln2' (DTensor then marks their gradients Partial)")
+                         "nothing reduces. Put the LayerNorms in the sequence-parallel region: the SequenceParallel "
+                         "style on 'ln1' and 'ln2' (DTensor then marks their gradients Partial)")
         return wrong(f"{where}: {bad[0]}'s gradient differs from the unsplit block's by {r['grads'][bad[0]]:.1e}")
     for phase in ("forward", "backward"):
         got = r["collectives"][phase]
@@ -171,12 +177,23 @@ def _diagnose(plan: dict, sp: bool, r: dict) -> Feedback | None:
                 hint = " " + SP_INPUT + " once, from Shard(1); declared Replicate, the slice is gathered again"
             if not sp and got["all-reduce"] > 2 and "attn" not in plan:
                 hint = (" q, k and v each made the shared input a DTensor, so each reduces its gradient: "
-                        "PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)) "
-                        "on 'attn' makes it one DTensor, one all-reduce")
+                        "a PrepareModuleInput on 'attn' makes it one DTensor, one all-reduce")
             want = ", ".join(f"{n} {k}" for k, n in sorted(EXPECTED[sp].items()))
             return wrong(f"{where}: right values, but the {phase} pass ran {said}, where one per split region "
                          f"does ({want}).{hint}")
     return None
+
+
+def _takes_one(fn) -> bool:
+    """Can ``fn`` be called with one positional argument? (True where Python cannot tell.)"""
+    import inspect
+    try:
+        inspect.signature(fn).bind(True)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def check_block_plan(fn) -> Feedback:
@@ -186,10 +203,17 @@ def check_block_plan(fn) -> Feedback:
     plans = {}
     for sp in (False, True):
         try:
-            plans[sp] = fn(sequence_parallel=sp)
+            plans[sp] = fn(sp)
         except NotImplementedError:
             return Feedback(NOT_ATTEMPTED, "replace `raise NotImplementedError` with your plan, then run this cell "
                                            "again")
+        except TypeError as e:
+            if not _takes_one(fn):
+                return wrong(f"the check calls your function with one argument, fn(True) or fn(False), but it "
+                             f"takes another number: {e}")
+            hint = (" (PrepareModuleInput takes input_layouts and desired_input_layouts; SequenceParallel takes "
+                    "neither)" if "layouts" in str(e) else "")
+            return wrong(f"with sequence_parallel={sp} your function raised TypeError: {e}{hint}")
         read = _read(plans[sp], sp)
         if read is not None:
             return wrong(f"sequence_parallel={sp}: {read.message}")

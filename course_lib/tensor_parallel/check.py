@@ -174,7 +174,8 @@ def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | 
                            seed: int = 0) -> dict:
     """A block split by ``parallelize_module`` with sequence parallelism, after one backward: each parameter's
     placement and its gradient's (``placements``), and the total gradient norm, as gradient clipping computes it
-    (``norm``, with the collectives it ran, ``norm collectives``), next to the unsplit block's (``unsplit norm``)."""
+    (``norm``, with the collectives it ran, ``norm collectives``), next to the unsplit block's (``unsplit norm``) and
+    to the norm of the from-scratch block's local gradients after their sync (``scratch local norm``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..comm.record import CollectiveLog
@@ -190,6 +191,11 @@ def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | 
     D.local(part(x.chunk(world_size, 1)[rank])).square().sum().backward()
     with CollectiveLog() as log:
         norm = D.full(torch.nn.utils.get_total_norm([p.grad for p in part.parameters()])).item()
+    # the from-scratch block, its gradients synced: the norm over this rank's own tensors, as clipping would take it
+    scratch = split("block", full, "scratch", True)
+    scratch(x.chunk(world_size, 1)[rank]).square().sum().backward()
+    sync_sequence_parallel_grads(scratch)
     return {"placements": {k: (str(p.placements), str(p.grad.placements)) for k, p in part.named_parameters()},
             "norm": norm, "norm collectives": [r.kind for r in log.records],
+            "scratch local norm": torch.nn.utils.get_total_norm([p.grad for p in scratch.parameters()]).item(),
             "unsplit norm": torch.nn.utils.get_total_norm([p.grad for p in full.parameters()]).item()}

@@ -119,13 +119,15 @@ def regather_worker(rank: int, world_size: int, batch: int = 2, seq: int = 8, di
     """A column-parallel layer on this rank's sequence slice, as this course builds it (gather, then ``F.linear``)
     and with Megatron-LM's re-gather: the bytes each keeps for backward (parameters and their views excluded), its
     collectives, and the largest difference of output and gradients between the two."""
+    from .. import hardware
     from ..comm.record import CollectiveLog
 
+    device = hardware.rank_device()   # the rank's GPU under NCCL (which has no CPU tensors), else the CPU
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(batch, seq, dim, generator=g).chunk(world_size, 1)[rank]
-    weight = torch.randn(out, dim, generator=g).chunk(world_size, 0)[rank]
-    bias = torch.randn(out, generator=g).chunk(world_size, 0)[rank]
-    grad_y = torch.randn(batch, seq, out // world_size, generator=g)
+    x = torch.randn(batch, seq, dim, generator=g).chunk(world_size, 1)[rank].to(device)
+    weight = torch.randn(out, dim, generator=g).chunk(world_size, 0)[rank].to(device)
+    bias = torch.randn(out, generator=g).chunk(world_size, 0)[rank].to(device)
+    grad_y = torch.randn(batch, seq, out // world_size, generator=g).to(device)
     result = {}
     for how in ("gather, then F.linear", "re-gather"):
         xi, w, bb = (t.clone().requires_grad_() for t in (x, weight, bias))

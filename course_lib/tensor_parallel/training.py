@@ -24,7 +24,7 @@ from ..models.transformer import LMTrainConfig, batch_indices, lm_loss, make_opt
 from .blocks import expected_shards, tensor_parallel_transformer
 from .dtensor import full, local, parallelize, transformer_plan
 from .production import production_plan
-from .random import RankGenerator, use_sharded_dropout
+from .random import RankGenerator, ShardedDropout, use_sharded_dropout
 
 LAYOUTS = ("tp", "dtensor", "2d", "2d-sp")
 
@@ -56,7 +56,10 @@ def build(cfg: LMTrainConfig, layout: str, world_size: int, tp: int = 2, model=N
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         # attention's dropout acts on this rank's heads: a stream per tp rank, its coordinate on the mesh's tp
         # dimension (not get_rank() % tp, which assumes the mesh's layout)
-        use_sharded_dropout(model, RankGenerator(cfg.seed, mesh["tp"].get_local_rank()), layout == "2d-sp")
+        rng = RankGenerator(cfg.seed, mesh["tp"].get_local_rank())
+        use_sharded_dropout(model, rng, layout == "2d-sp")
+        if layout == "2d-sp":   # the production plan hands the embedding dropout a sequence slice: own masks too
+            model.dropout = ShardedDropout(model.dropout.p, rng)
         plan = transformer_plan(cfg.model.layers) if layout == "2d" else production_plan(cfg.model.layers)
         parallelize(model, mesh["tp"], plan)                                  # TP first, inside each group...
         for block in model.blocks:
