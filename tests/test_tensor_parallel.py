@@ -461,3 +461,24 @@ def test_the_notebook_11_pictures_name_what_they_draw():
     fig = megatron.draw_tp_efficiency({"peak": {1: 1.0, 8: 0.76, 16: 0.5}}, 8)
     assert any("across nodes" in t.get_text() for t in fig.axes[0].texts)
     assert [line.get_label() for line in fig.axes[0].get_lines()][0] == "peak"
+
+
+def embedding_dropout_worker(rank, world_size):
+    """Under 2d-sp the embedding dropout's input is this rank's sequence slice: its mask, per tp rank."""
+    from course_lib.tensor_parallel import ShardedDropout
+    from course_lib.tensor_parallel.training import build
+    cfg = LMTrainConfig(model=SMALL.with_(dropout=0.5), steps=1, batch_size=4, n=8)
+    model, *_ = build(cfg, "2d-sp", world_size)
+    seen = {}
+    model.dropout.register_forward_hook(lambda m, i, o: seen.update(x=i[0], y=o))
+    model(torch.zeros(2, SMALL.seq_len, dtype=torch.long))
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t   # noqa: E731
+    x, y = local(seen["x"]), local(seen["y"])
+    return type(model.dropout) is ShardedDropout, tuple(x.shape), (y == 0).cpu()
+
+
+def test_the_embedding_dropout_of_the_sp_plan_draws_a_mask_per_rank():
+    r = run(embedding_dropout_worker, 4, backend="gloo", show_output=False)
+    assert all(sharded for sharded, _, _ in r)
+    assert r[0][1] == (2, SMALL.seq_len // 2, SMALL.dim)        # a sequence slice
+    assert not torch.equal(r[0][2], r[1][2])                     # the tp pair: different masks
