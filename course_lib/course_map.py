@@ -82,7 +82,7 @@ NOTEBOOKS: list[Notebook] = [
              "block; communication per block", 0, "full", 40, 90, 145),
     Notebook("12_sequence_parallel_and_dtensor.ipynb", "Sequence parallelism, DTensor and 2-D meshes",
              "sequence parallelism and what it saves; dropout under TP; DTensor, DeviceMesh, parallelize_module; "
-             "a 2×2 mesh with FSDP2", 0, "full", 90, 90, 160),
+             "a 2×2 mesh with FSDP2", 0, "full", 60, 90, 160),
     Notebook("13_activation_memory.ipynb", "Activation memory and recomputation",
              "saved activations counted and derived; SDPA vs eager; memory over a step; recomputation under a "
              "budget (you choose it); chunked loss", 1, "partial", 60, 85, 105),
