@@ -140,10 +140,17 @@ def _draw_masks(rank: int, world_size: int, mesh, layout: str, sequence_parallel
                 h = D.local(block(h))
             outputs.append(h.cpu())
     att, res = masks["attention"], masks["residual"]
-    return {"attention": [att[s * layers:(s + 1) * layers] for s in range(steps)],
-            "residual": [[res[2 * (s * layers + b):2 * (s * layers + b) + 2] for b in range(layers)]
-                         for s in range(steps)],
-            "output": outputs}
+    out = {"attention": [att[s * layers:(s + 1) * layers] for s in range(steps)],
+           "residual": [[res[2 * (s * layers + b):2 * (s * layers + b) + 2] for b in range(layers)]
+                        for s in range(steps)],
+           "output": outputs}
+    if layout == "scratch" and not sequence_parallel:   # one more step, with backward: a replicated gradient
+        h = x                                            # (its masks come after those returned above)
+        for block in blocks:
+            h = block(h)
+        h.square().sum().backward()
+        out["down.bias grad"] = dict(blocks[-1].named_parameters())["mlp.down.bias"].grad.cpu()
+    return out
 
 
 def dropout_worker(rank: int, world_size: int, cases: list[tuple[str, bool, bool, bool]], p: float = 0.5,
@@ -160,7 +167,9 @@ def dropout_worker(rank: int, world_size: int, cases: list[tuple[str, bool, bool
 
     Returns ``{case: result}``; each result holds, indexed ``[step][block]``, the attention-probability masks of
     this rank's heads (``attention``) and the residual branches' two masks (``residual``: whole activations, or
-    sequence slices under sequence parallelism), and the last block's output at each step (``output``).
+    sequence slices under sequence parallelism), and the last block's output at each step (``output``). From
+    scratch without sequence parallelism, also the last block's ``mlp.down.bias`` gradient after one more step
+    (``down.bias grad``): a replicated parameter's, which every rank should hold alike.
     """
     cfg = cfg or TransformerConfig(seq_len=8)
     mesh = None
