@@ -179,12 +179,18 @@ def dropout_worker(rank: int, world_size: int, cases: list[tuple[str, bool, bool
     return {case: _draw_masks(rank, world_size, mesh, *case, p, layers, steps, cfg, seed) for case in cases}
 
 
+def _kind(placement) -> str:
+    """``"partial"``, ``"replicate"`` or ``"shard"``, from the placement's public methods (not its repr)."""
+    return "partial" if placement.is_partial() else "replicate" if placement.is_replicate() else "shard"
+
+
 def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | None = None, batch: int = 2,
                            seed: int = 0) -> dict:
     """A block split by ``parallelize_module`` with sequence parallelism, after one backward: each parameter's
-    placement and its gradient's (``placements``), and the total gradient norm, as gradient clipping computes it
-    (``norm``, with the collectives it ran, ``norm collectives``), next to the unsplit block's (``unsplit norm``) and
-    to the norm of the from-scratch block's local gradients after their sync (``scratch local norm``)."""
+    placement and its gradient's (``placements``, as printed; ``grad kind``, read from the placement), and
+    the total gradient norm, as gradient clipping computes it (``norm``, with the collectives it ran,
+    ``norm collectives``), next to the unsplit block's (``unsplit norm``) and to the norm of the from-scratch
+    block's local gradients after their sync (``scratch local norm``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..comm.record import CollectiveLog
@@ -205,6 +211,7 @@ def grad_placements_worker(rank: int, world_size: int, cfg: TransformerConfig | 
     scratch(x.chunk(world_size, 1)[rank]).square().sum().backward()
     sync_sequence_parallel_grads(scratch)
     return {"placements": {k: (str(p.placements), str(p.grad.placements)) for k, p in part.named_parameters()},
+            "grad kind": {k: _kind(p.grad.placements[0]) for k, p in part.named_parameters()},
             "norm": norm, "norm collectives": [r.kind for r in log.records],
             "scratch local norm": torch.nn.utils.get_total_norm([p.grad for p in scratch.parameters()]).item(),
             "unsplit norm": torch.nn.utils.get_total_norm([p.grad for p in full.parameters()]).item()}
