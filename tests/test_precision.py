@@ -211,3 +211,16 @@ def test_sharded_grad_scaler_skips_on_every_rank_when_one_rank_overflows():
     r = run(sharded_skip_worker, 2, backend="gloo", show_output=False)
     assert [one["GradScaler"]["skipped"] for one in r] == [True, False]          # plain: the ranks disagree
     assert all(one["ShardedGradScaler"]["skipped"] and one["ShardedGradScaler"]["scale after"] == 2.0**7 for one in r)
+
+
+def test_the_bf16_hook_is_chosen_by_backend_kind_not_by_the_exact_backend_name(monkeypatch):
+    """'cuda:nccl,cpu:gloo' is NCCL (torch's own hook), 'cpu:gloo' is Gloo (the renamed one), like the plain names."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from course_lib import hardware
+    from course_lib.precision import wire
+    for name, expected in (("nccl", default_hooks.bf16_compress_hook), ("cuda:nccl,cpu:gloo",
+                           default_hooks.bf16_compress_hook), ("gloo", wire.bf16_compress),
+                           ("cpu:gloo", wire.bf16_compress)):
+        monkeypatch.setattr(hardware.dist, "get_backend", lambda name=name: name)
+        assert wire.hooks()["bf16"] is expected, name

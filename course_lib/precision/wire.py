@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..comm.record import CollectiveLog
+from ..hardware import backend_kind
 
 
 def bf16_compress(process_group, bucket):
@@ -39,7 +40,7 @@ def bf16_compress(process_group, bucket):
 def hooks() -> dict:
     """The hooks to compare: ``"fp32"`` (what DDP does by default) and ``"bf16"`` (PyTorch's hook itself when
     NCCL is the backend, else :func:`bf16_compress`)."""
-    bf16 = default_hooks.bf16_compress_hook if dist.get_backend() == "nccl" else bf16_compress
+    bf16 = default_hooks.bf16_compress_hook if backend_kind() == "nccl" else bf16_compress   # 'cuda:nccl,cpu:gloo' too
     return {"fp32": default_hooks.allreduce_hook, "bf16": bf16}
 
 
