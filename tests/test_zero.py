@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import time
 
 import pytest
 import torch
@@ -537,3 +538,44 @@ def test_a_layer_that_returns_a_dataclass_is_gathered_for_backward_too(no_leftov
     optimizer.step()
     for state in states:
         assert T.max_difference(state, model.state_dict()) < 1e-6
+
+
+class _SkipsOnRank1(nn.Module):
+    """Three layers; on rank 1 the forward skips ``b`` (a parameter used on one rank but not the other)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if not (torch.distributed.get_rank() == 1 and self.skip):
+            h = torch.relu(self.b(h))
+        return self.c(h)
+
+
+def _skip_worker(rank, world_size, stage, skip):
+    model = _SkipsOnRank1()
+    model.skip = skip
+    model, optimizer = shard(model, stage, torch.optim.SGD, lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return "trained"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_layer_skipped_on_one_rank_is_a_clear_error_within_seconds_not_a_hang(stage, no_leftovers):
+    """Before every layer collective the ranks all-gather which one they are about to run: they disagree, so every
+    rank raises a ValueError naming the parameters (ZeRO-2 used to hang until the timeout, ZeRO-3 to crash Gloo).
+    The same model that runs b on both ranks trains, so the check does not refuse a good model."""
+    assert run(_skip_worker, 2, stage, False, backend="gloo", show_output=False, timeout=60) == ["trained"] * 2
+    start = time.monotonic()
+    with pytest.raises(RankError) as error:
+        run(_skip_worker, 2, stage, True, backend="gloo", show_output=False, timeout=60)
+    elapsed = time.monotonic() - start
+    assert error.value.exc_type == "ValueError", error.value
+    assert "b.weight" in str(error.value) and "rank 1 is about to" in str(error.value), error.value
+    assert elapsed < 20, elapsed                          # seconds (about 3 s measured), far from the 60 s timeout

@@ -52,6 +52,44 @@ def real_reduce_scatter() -> bool:
     return backend_kind() == "nccl"
 
 
+PHASES = ("all-gather {} for the forward", "all-gather {} for the backward", "reduce-scatter the gradients of {}",
+          "end the backward pass")
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its qualified name`` (``"blocks.0.weight"``); a tied weight gets its first name."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def agree_on_next_collective(layers: list[list[str]], index: int, phase: int, device: torch.device) -> None:
+    """Check that every rank is about to run the same layer collective; raise the same ValueError on all if not.
+
+    A ZeRO collective is one layer's all-gather or reduce-scatter. A parameter used on one rank but not on
+    another (a forward that skips a layer on some ranks) makes one rank issue a collective the others do
+    not: they would pair different layers' buffers, and hang or crash. So each collective is preceded by a
+    tiny all-gather of ``(layer, phase)`` from every rank (8 bytes each, not counted by :func:`count_traffic`).
+    Every rank sees the same answer, so every rank raises at once, naming the parameters and the ranks.
+    ``layers``: each layer's parameter names; ``index == len(layers)`` with ``phase`` 3 is the end of backward.
+    """
+    if dist.get_world_size() == 1:
+        return
+    tag = torch.tensor([index * len(PHASES) + phase], dtype=torch.int64, device=device)
+    tags = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    all_gather_single(tags, tag)
+    tags = tags.tolist()
+    if len(set(tags)) == 1:
+        return
+
+    def what(t: int) -> str:
+        i, ph = divmod(t, len(PHASES))
+        return PHASES[3] if i >= len(layers) else PHASES[ph].format(", ".join(layers[i]))
+    plans = "; ".join(f"rank {r} is about to {what(t)}" for r, t in enumerate(tags))
+    raise ValueError(f"the ranks disagree on the next collective: {plans}. A parameter used on some ranks but "
+                     "not on others (a forward that skips a layer on some ranks) makes their collectives mismatch. "
+                     "Every rank must run every layer in every step, in the same order: call the layer on every rank "
+                     "(multiply its output by 0 where it should not count).")
+
+
 @contextmanager
 def count_traffic():
     """Record the collectives issued in the block: a list of ``(operation, bytes of the whole buffer)``.

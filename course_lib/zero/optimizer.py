@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from .flat import FlatGroup, owned_parameters, require_process_group
+from .flat import FlatGroup, agree_on_next_collective, owned_parameters, parameter_names, require_process_group
 
 
 class Bucket:
@@ -152,21 +152,30 @@ class LayerwiseZero1(ShardedOptimizer):
 
     def __init__(self, model: nn.Module, optimizer_class: type[Optimizer], **optimizer_kwargs):
         self._layers = [[p for _, p in own if p.requires_grad] for _, own in owned_parameters(model)]
+        names = parameter_names(model)
+        self._names = [[names[id(p)] for p in layer] for layer in self._layers if layer]   # one per bucket
         super().__init__(model.parameters(), optimizer_class, **optimizer_kwargs)
 
     def _bucket(self, params):
         return [layer for layer in self._layers if layer]        # one collective per layer
 
+    def _agree(self, k: int, phase: int) -> None:
+        """Every rank is about to reduce bucket ``k`` (``len(buckets)``: to end), else a clear error on all."""
+        if self.buckets:
+            agree_on_next_collective(self._names, k, phase, self.buckets[0].shards[0].device)
+
     def _shard_gradients(self) -> None:
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
                 continue
+            self._agree(k, 2)                           # a layer with no gradient on some ranks only: an error
             dtype = next(g.dtype for g in grads if g is not None)
             averaged = b.group.reduce_scatter_mean(grads, dtype)
             for i, (p, s, mean) in enumerate(zip(b.params, b.shards, averaged)):
                 if p.grad is not None:
                     s.grad = p.grad.view(-1)[slice(*b.group.bounds(i))].copy_(mean)
+        self._agree(len(self.buckets), 3)
 
 
 class LayerwiseZero2(LayerwiseZero1):
@@ -176,7 +185,8 @@ class LayerwiseZero2(LayerwiseZero1):
     A hook on every parameter (``register_post_accumulate_grad_hook``) notes that its gradient is
     ready; the last one of a layer triggers the reduce-scatter. Layers with a parameter that got no
     gradient are reduce-scattered at the end of backward (an autograd callback), in layer order on
-    every rank, so that the ranks' collectives always match.
+    every rank, so that the ranks' collectives always match. A layer with gradients on some ranks only (a
+    forward that skips it elsewhere) is a ValueError on every rank (:func:`.flat.agree_on_next_collective`).
     """
 
     def __init__(self, model: nn.Module, optimizer_class: type[Optimizer], **optimizer_kwargs):
@@ -197,6 +207,7 @@ class LayerwiseZero2(LayerwiseZero1):
 
     @torch.no_grad()
     def _reduce(self, k: int) -> None:
+        self._agree(k, 2)
         b = self.buckets[k]
         grads = [p.grad for p in b.params]
         dtype = next(g.dtype for g in grads if g is not None)
@@ -212,6 +223,7 @@ class LayerwiseZero2(LayerwiseZero1):
             if ready:
                 self._reduce(k)
         self._callback_queued = False
+        self._agree(len(self.buckets), 3)
 
     def _shard_gradients(self) -> None:
         """Nothing left to do: backward has reduce-scattered every gradient."""

@@ -24,8 +24,10 @@ autograd callback, so gradients are ready when ``backward()`` returns.
 ``compute_dtype`` (e.g. ``torch.float16``): gather in that type, compute in it (floating inputs of
 each layer are cast to it), and reduce-scatter the gradients in it; shards, gradients and optimizer
 stay fp32 (the fp32 "master" copy of mixed precision is the shard). Every rank must run the same
-layers in the same order, as with DDP. A weight shared by two layers (tied) is gathered with its
-first owner and stays gathered from its first use in backward until its gradient is complete.
+layers in the same order, as with DDP: before each collective the ranks check that they agree, and a layer
+skipped on some ranks is a ValueError on every rank (:func:`.flat.agree_on_next_collective`), not a hang.
+A weight shared by two layers (tied) is gathered with its first owner and stays gathered from its first
+use in backward until its gradient is complete.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .flat import FlatGroup, owned_parameters, require_process_group
+from .flat import FlatGroup, agree_on_next_collective, owned_parameters, parameter_names, require_process_group
 
 
 class ShardedLayer:
@@ -69,9 +71,11 @@ class ShardedLayer:
         return sum(f.numel() * f.element_size() for f in self.full)
 
     @torch.no_grad()
-    def gather(self) -> None:
+    def gather(self, phase: int = 0) -> None:
+        """All-gather the whole parameters (``phase`` 0 for the forward, 1 for the backward)."""
         if self.gathered:
             return
+        self.state.agree(self, phase)
         for f in self.full:
             f.untyped_storage().resize_(f.numel() * f.element_size())
         self.group.all_gather(self.shards, [f.data.view(-1) for f in self.full], self.full[0].dtype)
@@ -100,6 +104,7 @@ class ShardedLayer:
     @torch.no_grad()
     def reduce(self) -> None:
         """Average the whole gradients over the ranks, keep this rank's slice, drop the whole ones."""
+        self.state.agree(self, 2)
         grads = [f.grad for f in self.full]
         for i, mean in enumerate(self.group.reduce_scatter_mean(grads, self.full[0].dtype)):
             shard = self.shards[i]
@@ -120,6 +125,8 @@ class Zero3State:
         self.callback_queued = False
         self.gathered_bytes = self.peak_gathered_bytes = 0
         layer_of: dict[int, tuple[ShardedLayer, int]] = {}
+        names = parameter_names(model)
+        self.names = [[names[id(p)] for _, p in own] for _, own in owned_parameters(model)]   # for clear errors
         index = 0                                        # the parameters' order, the same on every rank
         for owner, own in owned_parameters(model):
             if init is None and any(p.is_meta for _, p in own):
@@ -136,6 +143,12 @@ class Zero3State:
                     module._parameters[name] = layer.shards[i]
                     if layer not in self.of_module.setdefault(module, []):
                         self.of_module[module].append(layer)
+
+    def agree(self, layer: ShardedLayer | None, phase: int) -> None:
+        """Every rank is about to run the same collective (``layer`` ``None``: end the backward), else a
+        ValueError on every rank (:func:`.flat.agree_on_next_collective`)."""
+        index = len(self.layers) if layer is None else self.layers.index(layer)
+        agree_on_next_collective(self.names, index, phase, self.layers[0].shards[0].device)
 
     def measure(self) -> None:
         """Bytes of whole parameters alive right now, read from their storage (not from a counter)."""
@@ -154,6 +167,8 @@ class Zero3State:
                 layer.reduce()
             layer.free()
         self.callback_queued = False
+        if self.layers:
+            self.agree(None, 3)
 
     def pre_forward(self, module, args):
         for layer in self.of_module[module]:
@@ -176,7 +191,7 @@ class Zero3State:
     def pre_backward(self, module) -> None:
         self.in_backward()
         for layer in self.of_module[module]:
-            layer.gather()
+            layer.gather(phase=1)
 
 
 def cast_floating(args: tuple, dtype: torch.dtype | None) -> tuple:
