@@ -13,7 +13,8 @@ rank 1/N of them instead, and moves the rest over the network when it is needed:
   forward and backward hooks), the way PyTorch's FSDP2 does it.
 * :mod:`.api`: :func:`shard` (any stage in one call), :func:`full_state_dict`, :func:`rank_bytes`.
 * :mod:`.measure`: the workers notebooks 09 and 10 and ``benchmarks/zero_vs_fsdp.py`` run (training, memory,
-  traffic, step time); :mod:`.fsdp2`: the same with PyTorch's FSDP2, and sharded checkpoints (DCP), notebook 10.
+  traffic, step time); :mod:`.fsdp2`: the same with PyTorch's FSDP2, and sharded checkpoints (DCP), notebook 10;
+  :mod:`.fsdp2_offload`: FSDP2 with ``CPUOffloadPolicy`` (shards, gradients, optimizer on the host).
 """
 from .api import STAGES, full_state_dict, rank_bytes, shard
 from .optimizer import ShardedOptimizer

@@ -63,17 +63,20 @@ def force_sum_on_gloo(model: nn.Module) -> bool:
 
 
 def apply_fsdp2(model: nn.Module, reshard_after_forward: bool = True, param_dtype=None,
-                reduce_dtype=None) -> nn.Module:
+                reduce_dtype=None, offload_policy=None) -> nn.Module:
     """FSDP2 with one unit per layer (every module owning parameters, as :func:`..fully_shard` does),
     then the root. ``param_dtype`` (e.g. ``torch.bfloat16``) and ``reduce_dtype`` (the type gradients
-    are reduce-scattered in; by default ``param_dtype``): FSDP2's ``MixedPrecisionPolicy``."""
+    are reduce-scattered in; by default ``param_dtype``): FSDP2's ``MixedPrecisionPolicy``.
+    ``offload_policy``: e.g. ``CPUOffloadPolicy()`` for every unit (:mod:`.fsdp2_offload`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device_mesh = mesh()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    extra = {} if offload_policy is None else {"offload_policy": offload_policy}
     for module, _ in owned_parameters(model):
         if module is not model:
-            fully_shard(module, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            fully_shard(module, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                        **extra)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, **extra)
     force_sum_on_gloo(model)
     return model
 
