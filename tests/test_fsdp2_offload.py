@@ -29,6 +29,7 @@ def test_on_a_cpu_mesh_the_policy_is_applied_and_training_is_unchanged(no_leftov
         for key in ("sharded parameters", "gradients", "optimizer states"):
             assert result["CPU offload"][key] == {"cpu"}, key
         assert result["difference"] == 0.0                           # the same arithmetic on the same CPU
+        assert result["CPU offload"]["moved"] > 1e-3                 # ... and it really trained
 
 
 def _pinned_worker(rank, world_size):
@@ -50,4 +51,4 @@ def test_on_a_gpu_shards_gradients_and_states_live_on_the_cpu(no_leftovers):
         assert off["sharded parameters"] == off["gradients"] == off["optimizer states"] == {"cpu"}
         assert on["sharded parameters"] == on["optimizer states"] == {"cuda"}
         assert off["GPU bytes between steps"] < on["GPU bytes between steps"]
-        assert result["difference"] < 1e-5                            # Adam on the CPU against Adam on the GPU
+        assert result["difference"] < 1e-5 < 1e-3 < off["moved"]      # Adam on the CPU against Adam on the GPU
